@@ -1,0 +1,1 @@
+"""fleetrl.actors.weights"""
