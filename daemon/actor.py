@@ -1,0 +1,150 @@
+"""What an actor sees of the kernel: `ActorContext`.
+
+An actor is ``async def run(cfg: SomeConfig, ctx: ActorContext, *,
+task_status=trio.TASK_STATUS_IGNORED)``: it validates and prepares, calls
+``task_status.started()`` once ready (actors that list it in ``after`` start only
+then), and loops over ``ctx.inbox``. The context gives it:
+
+- identity: ``name``, ``run_id``, ``instance_id``, ``incarnation`` (1, 2, ... per restart)
+- ``state_dir``: a private scratch directory under ``<state>/actors/NAME``
+- ``inbox`` (bounded ``trio.MemoryReceiveChannel``; a fresh clone per incarnation, so
+  messages queued while an actor restarts are kept) and ``sender(name)`` (a clone of
+  another actor's inbox; closed by the kernel when this incarnation ends)
+- ``log``: structlog logger bound with ``actor`` and ``run_id``
+- ``metrics``: Prometheus helpers that label with ``actor``
+- ``paused`` / ``wait_unpaused()``: operator pause (POST /pause); check before taking work
+- ``draining`` / ``wait_draining()``: shutdown has begun; stop admitting work, finish
+  what is in flight and return. A consumer needs no check: its inbox ends
+  (``EndOfChannel``) once every producer has returned.
+- ``on_checkpoint(hook)``: ``async () -> bytes | msgspec-encodable``; the kernel writes
+  its result into every periodic and the final checkpoint
+- ``restored`` / ``restored_as(T)``: this actor's state from the newest checkpoint
+  (at a restart after a crash: the state most recently checkpointed)
+- ``mount(prefix, app, auth=True)``: serve an ASGI app on the control plane
+- ``report_version(key, value)``: shown under the actor in /status
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import trio
+
+__all__ = ["ActorContext", "CheckpointHook", "Gate"]
+
+T = TypeVar("T")
+CheckpointHook = Callable[[], Awaitable[Any]]
+
+
+class Gate:
+    """Open/closed flag that tasks can wait on (used for pause/resume)."""
+
+    def __init__(self) -> None:
+        self._open = trio.Event()
+        self._open.set()
+
+    @property
+    def closed(self) -> bool:
+        return not self._open.is_set()
+
+    def close(self) -> None:
+        if self._open.is_set():
+            self._open = trio.Event()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def wait_open(self) -> None:
+        while not self._open.is_set():
+            await self._open.wait()
+
+
+class ActorContext:
+    """The kernel's API for one incarnation of one actor (built by the supervisor)."""
+
+    def __init__(self, *, name: str, kernel: Any, inbox: trio.MemoryReceiveChannel[Any],
+                 state_dir: Path, restored: Any, incarnation: int, log: Any,
+                 metrics: Any) -> None:
+        self.name = name
+        self._kernel = kernel
+        self.inbox = inbox
+        self.state_dir = state_dir
+        self.restored = restored
+        self.incarnation = incarnation
+        self.log = log
+        self.metrics = metrics
+        self._senders: list[trio.MemorySendChannel[Any]] = []
+
+    @property
+    def run_id(self) -> str:
+        return self._kernel.run_id
+
+    @property
+    def instance_id(self) -> str:
+        return self._kernel.instance_id
+
+    # -- messaging ----------------------------------------------------------------
+    def sender(self, name: str) -> trio.MemorySendChannel[Any]:
+        """A send channel into actor `name`'s inbox (closed when this incarnation ends).
+
+        Raises KeyError for an unknown actor, ``trio.ClosedResourceError`` once the
+        daemon is draining (no new producers then).
+        """
+        chan = self._kernel.inbox_sender(name).clone()
+        self._senders.append(chan)
+        return chan
+
+    # -- pause and drain ----------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return self._kernel.gate.closed
+
+    async def wait_unpaused(self) -> None:
+        """Return at once when not paused; otherwise when resumed (or draining)."""
+        if not self._kernel.gate.closed:
+            await trio.lowlevel.checkpoint()
+            return
+        async with trio.open_nursery() as nursery:
+            async def until_draining() -> None:
+                await self._kernel.draining_event.wait()
+                nursery.cancel_scope.cancel()
+            nursery.start_soon(until_draining)
+            await self._kernel.gate.wait_open()
+            nursery.cancel_scope.cancel()
+
+    @property
+    def draining(self) -> bool:
+        return self._kernel.draining_event.is_set()
+
+    async def wait_draining(self) -> None:
+        await self._kernel.draining_event.wait()
+
+    # -- checkpoints --------------------------------------------------------------
+    def on_checkpoint(self, hook: CheckpointHook) -> None:
+        """Register (or replace) this actor's checkpoint hook."""
+        self._kernel.set_hook(self.name, hook)
+
+    def restored_as(self, typ: type[T]) -> T | None:
+        """`restored` converted to `typ` (a msgspec Struct or any msgspec type)."""
+        if self.restored is None:
+            return None
+        if isinstance(self.restored, bytes) and typ is not bytes:
+            return msgspec.msgpack.decode(self.restored, type=typ)
+        return msgspec.convert(self.restored, typ)
+
+    # -- control plane ------------------------------------------------------------
+    def mount(self, prefix: str, app: Any, *, auth: bool = True) -> None:
+        self._kernel.mounts.add(prefix, app, auth=auth, owner=self.name)
+
+    def report_version(self, key: str, value: Any) -> None:
+        self._kernel.report_version(self.name, key, value)
+
+    # -- kernel side --------------------------------------------------------------
+    def _close(self) -> None:
+        for chan in self._senders:
+            chan.close()
+        self._senders.clear()
+        self.inbox.close()

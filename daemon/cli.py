@@ -1,0 +1,213 @@
+"""The ``fleetrl`` command line.
+
+Built-in commands: ``serve``, ``status``, ``stop``, ``config check``. Other parts
+add command groups through the ``fleetrl.commands`` entry-point group (see
+docs/contracts.md): each entry point is ``register(subparsers) -> None``. A group
+that fails to load is reported on stderr by name and left out; every other command
+keeps working. Exit codes are `ExitCode` (docs/daemon.md lists them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+from typing import Any
+
+from .faults import ConfigError, DaemonError, ExitCode
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_STATE_DIR = ".fleetrl"
+ENTRY_POINT_GROUP = "fleetrl.commands"
+
+
+def _err(msg: str) -> None:
+    print(f"fleetrl: {msg}", file=sys.stderr)
+
+
+# -- serve -------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from .config import default_config_path, load_config
+    from .logs import close_logging, configure_logging
+    from .state import StateDir
+    from .supervisor import Supervisor
+
+    try:
+        cfg = load_config(args.config or default_config_path())
+    except ConfigError as exc:
+        _err(str(exc))
+        return ExitCode.CONFIG
+    if args.state_dir:
+        cfg = cfg.with_state_dir(args.state_dir)
+    state = StateDir(cfg.daemon.state_dir)
+    try:
+        state.open()
+    except DaemonError as exc:
+        _err(str(exc))
+        return exc.exit_code
+    except OSError as exc:
+        _err(f"cannot use state directory {state.path}: {exc}")
+        return ExitCode.CONFIG
+    try:
+        configure_logging(level=cfg.logging.level, fmt=cfg.logging.format, run_id=state.run_id,
+                          log_dir=state.logs if cfg.logging.file else None)
+        sup = Supervisor(cfg, state)
+        code = trio.run(sup.run)
+        if sup.escalation is not None:
+            _err(str(sup.escalation))
+        return int(code)
+    finally:
+        close_logging()
+        state.close()
+
+
+# -- status / stop -------------------------------------------------------------------
+def _control(state_dir: str) -> tuple[str, str] | int:
+    """(base url, token) of the live daemon, or an exit code after saying why not."""
+    from .state import daemon_alive, read_control, read_token
+
+    if not daemon_alive(state_dir):
+        _err(f"no fleetrl daemon is running on state directory {Path(state_dir).absolute()}")
+        return ExitCode.UNREACHABLE
+    try:
+        host, port = read_control(state_dir)
+        token = read_token(state_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        _err(f"the daemon on {state_dir} has no control plane address yet "
+             f"(control.json: {exc}); is [http] enabled?")
+        return ExitCode.UNREACHABLE
+    return f"http://{host}:{port}", token
+
+
+def _request(method: str, url: str, token: str, timeout: float) -> Any:
+    import httpx
+
+    resp = httpx.request(method, url, headers={"Authorization": f"Bearer {token}"},
+                         timeout=timeout)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    found = _control(args.state_dir)
+    if isinstance(found, int):
+        return found
+    base, token = found
+    try:
+        body = _request("GET", base + "/status", token, args.timeout)
+    except httpx.HTTPError as exc:
+        _err(f"cannot reach the daemon at {base}: {exc}")
+        return ExitCode.UNREACHABLE
+    print(json.dumps(body, indent=2, sort_keys=True))
+    return ExitCode.OK
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    import httpx
+
+    from .state import daemon_alive
+
+    found = _control(args.state_dir)
+    if isinstance(found, int):
+        return found
+    base, token = found
+    try:
+        _request("POST", base + "/shutdown", token, 10.0)
+    except httpx.HTTPError as exc:
+        _err(f"cannot reach the daemon at {base}: {exc}")
+        return ExitCode.UNREACHABLE
+    deadline = time.monotonic() + args.timeout
+    while daemon_alive(args.state_dir):
+        if time.monotonic() > deadline:
+            _err(f"the daemon is still draining after {args.timeout:g}s; "
+                 "it keeps its grace deadline, check `fleetrl status`")
+            return ExitCode.UNREACHABLE
+        time.sleep(0.1)
+    print("stopped")
+    return ExitCode.OK
+
+
+# -- config check --------------------------------------------------------------------
+def cmd_config_check(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    try:
+        cfg = load_config(args.file)
+    except ConfigError as exc:
+        _err(str(exc))
+        return ExitCode.CONFIG
+    names = ", ".join(s.name for s in cfg.actors) or "none"
+    print(f"OK: {args.file} ({len(cfg.actors)} actors: {names})")
+    return ExitCode.OK
+
+
+# -- parser --------------------------------------------------------------------------
+def _load_groups(sub: Any, eps: Iterable[EntryPoint] | None = None) -> None:
+    """Let each ``fleetrl.commands`` entry point add its sub-command group."""
+    for ep in entry_points(group=ENTRY_POINT_GROUP) if eps is None else eps:
+        try:
+            register = ep.load()
+            register(sub)
+        except Exception as exc:  # a broken group must not break the others
+            _err(f"warning: command group {ep.name!r} ({ep.value}) is unavailable: "
+                 f"{type(exc).__name__}: {exc}")
+
+
+def build_parser(*, load_groups: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fleetrl", description=(
+        "fleetrl: reinforcement-learning service. `fleetrl serve` runs the daemon."))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML config (default: the one shipped with fleetrl)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="state directory (overrides [daemon] state_dir)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("status", help="print the running daemon's /status JSON")
+    p.add_argument("--state-dir", metavar="DIR", default=DEFAULT_STATE_DIR)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("stop", help="gracefully stop the running daemon and wait for it")
+    p.add_argument("--state-dir", metavar="DIR", default=DEFAULT_STATE_DIR)
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds to wait for the daemon to exit (default 120)")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("config", help="config file tools")
+    csub = p.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    c = csub.add_parser("check", help="validate a config file (exit 2 if invalid)")
+    c.add_argument("file", metavar="FILE")
+    c.set_defaults(func=cmd_config_check)
+
+    if load_groups:
+        _load_groups(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or usage error (2)
+        return int(exc.code or 0)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return ExitCode.CONFIG
+    return int(func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""HTTP control plane: a Starlette app served by hypercorn's Trio worker.
+
+Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``, the token in
+``<state>/token``; otherwise 401 with a JSON error body):
+
+- ``GET /healthz``   liveness, ``{"ok": true}``
+- ``GET /status``    run id, instance id, uptime, paused, draining, actors (state,
+  restarts, last error, versions they report), last checkpoint
+- ``GET /metrics``   Prometheus text format
+- ``POST /pause``, ``POST /resume``   pause/resume admission of new work
+- ``POST /shutdown`` the same graceful path as SIGTERM
+
+Actors add routes with ``ctx.mount(prefix, asgi_app, auth=True)``: the request goes
+to the mounted app with ``root_path`` extended by the prefix (``path`` stays whole,
+as Starlette's own ``Mount`` does), behind the same bearer check unless
+``auth=False``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+__all__ = ["ControlPlane", "MountTable", "build_app", "serve_control"]
+
+ASGIApp = Callable[[dict[str, Any], Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]],
+                   Awaitable[None]]
+_PREFIX = re.compile(r"^(/[A-Za-z0-9._~-]+)+$")
+_RESERVED = ("/healthz", "/status", "/metrics", "/pause", "/resume", "/shutdown")
+
+
+class ControlPlane(Protocol):
+    """What the control app needs from the supervisor."""
+
+    def status(self) -> dict[str, Any]: ...
+    def metrics_text(self) -> bytes: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def request_shutdown(self, reason: str) -> None: ...
+
+
+class _Mount:
+    __slots__ = ("app", "auth", "owner", "prefix")
+
+    def __init__(self, prefix: str, app: ASGIApp, auth: bool, owner: str) -> None:
+        self.prefix, self.app, self.auth, self.owner = prefix, app, auth, owner
+
+
+class MountTable:
+    """Extra ASGI apps mounted under path prefixes by actors."""
+
+    def __init__(self) -> None:
+        self._mounts: dict[str, _Mount] = {}
+
+    def add(self, prefix: str, app: ASGIApp, *, auth: bool, owner: str) -> None:
+        """Mount `app` at `prefix`; the same owner may replace its own mount (restart)."""
+        if not _PREFIX.match(prefix):
+            raise ValueError(f"mount prefix {prefix!r} must look like '/name' or '/a/b' "
+                             "(no trailing slash)")
+        if any(prefix == r or prefix.startswith(r + "/") for r in _RESERVED):
+            raise ValueError(f"mount prefix {prefix!r} collides with a control endpoint")
+        held = self._mounts.get(prefix)
+        if held is not None and held.owner != owner:
+            raise ValueError(f"mount prefix {prefix!r} is already used by actor {held.owner!r}")
+        self._mounts[prefix] = _Mount(prefix, app, auth, owner)
+
+    def remove_owner(self, owner: str) -> None:
+        for prefix in [p for p, m in self._mounts.items() if m.owner == owner]:
+            del self._mounts[prefix]
+
+    def match(self, path: str) -> _Mount | None:
+        best = None
+        for prefix, mount in self._mounts.items():
+            if (path == prefix or path.startswith(prefix + "/")) and (
+                    best is None or len(prefix) > len(best.prefix)):
+                best = mount
+        return best
+
+    def prefixes(self) -> list[str]:
+        return sorted(self._mounts)
+
+
+def _unauthorized(detail: str) -> JSONResponse:
+    return JSONResponse({"error": "unauthorized", "detail": detail}, status_code=401,
+                        headers={"WWW-Authenticate": 'Bearer realm="fleetrl"'})
+
+
+def check_bearer(headers: list[tuple[bytes, bytes]], token: str) -> str | None:
+    """None when the Authorization header carries `token`; otherwise why not."""
+    values = [v for k, v in headers if k.lower() == b"authorization"]
+    if not values:
+        return "missing Authorization: Bearer header"
+    scheme, _, given = values[0].decode("latin-1").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return "Authorization header must be 'Bearer <token>'"
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        return "wrong bearer token"
+    return None
+
+
+def build_app(plane: ControlPlane, token: str, mounts: MountTable) -> ASGIApp:
+    """The whole control ASGI app: auth gate, mounted apps, core endpoints."""
+
+    async def healthz(_: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    async def status(_: Request) -> Response:
+        return JSONResponse(plane.status())
+
+    async def metrics(_: Request) -> Response:
+        return Response(plane.metrics_text(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def pause(_: Request) -> Response:
+        plane.pause()
+        return JSONResponse({"paused": True})
+
+    async def resume(_: Request) -> Response:
+        plane.resume()
+        return JSONResponse({"paused": False})
+
+    async def shutdown(_: Request) -> Response:
+        plane.request_shutdown("POST /shutdown")
+        return JSONResponse({"shutting_down": True}, status_code=202)
+
+    async def not_found(request: Request, _exc: Exception) -> Response:
+        return JSONResponse({"error": "not found", "path": request.url.path}, status_code=404)
+
+    async def bad_method(request: Request, _exc: Exception) -> Response:
+        return JSONResponse({"error": "method not allowed", "path": request.url.path},
+                            status_code=405)
+
+    core = Starlette(routes=[
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/status", status, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/pause", pause, methods=["POST"]),
+        Route("/resume", resume, methods=["POST"]),
+        Route("/shutdown", shutdown, methods=["POST"]),
+    ], exception_handlers={404: not_found, 405: bad_method})
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope.get("path", "")
+        mount = mounts.match(path)
+        needs_auth = mount.auth if mount is not None else path != "/healthz"
+        if needs_auth:
+            problem = check_bearer(scope.get("headers", []), token)
+            if problem is not None:
+                if scope["type"] == "http":
+                    await _unauthorized(problem)(scope, receive, send)
+                else:  # websocket: refuse the handshake
+                    await send({"type": "websocket.close", "code": 1008})
+                return
+        if mount is not None:
+            sub = dict(scope)
+            sub["root_path"] = scope.get("root_path", "") + mount.prefix
+            await mount.app(sub, receive, send)
+            return
+        await core(scope, receive, send)
+
+    return app
+
+
+async def serve_control(app: ASGIApp, host: str, port: int, *,
+                        shutdown_trigger: Callable[[], Awaitable[Any]],
+                        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+                        ) -> None:
+    """Serve `app` on host:port (0 = any free port) until `shutdown_trigger` returns;
+    ``task_status.started((host, bound_port))`` once listening."""
+    cfg = HypercornConfig()
+    cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    cfg.accesslog = None
+    quiet = logging.getLogger("fleetrl.control.hypercorn")
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
+    cfg.errorlog = quiet
+    cfg.graceful_timeout = 2.0
+
+    async def run(*, task_status: trio.TaskStatus[list[str]]) -> None:
+        await serve(app, cfg, shutdown_trigger=shutdown_trigger, task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(run)
+        bound = binds[0].rsplit(":", 1)
+        task_status.started((host, int(bound[1])))

@@ -1,0 +1,152 @@
+"""The control plane over real HTTP on 127.0.0.1 (hypercorn's Trio worker)."""
+
+from __future__ import annotations
+
+import random
+import stat
+from functools import partial
+
+import httpx
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetrl.daemon.config import load_config_text
+from fleetrl.daemon.state import read_control
+from fleetrl.daemon.state import StateDir
+from fleetrl.daemon.supervisor import Supervisor
+
+CONFIG = """
+[daemon]
+grace_s = 5.0
+[http]
+port = 0
+[actors.heartbeat]
+factory = "fleetrl.daemon.ticker:run"
+config = {interval_s = 0.05, log_every = 0}
+[actors.echo]
+factory = "daemon_test_actors:mounter"
+config = {prefix = "/echo"}
+[actors.open]
+factory = "daemon_test_actors:mounter"
+config = {prefix = "/public", auth = false}
+"""
+
+ENDPOINTS = [("GET", "/status"), ("GET", "/metrics"), ("POST", "/pause"),
+             ("POST", "/resume"), ("POST", "/shutdown"), ("GET", "/echo/x")]
+
+
+@pytest.fixture
+async def daemon(tmp_path, test_actors):
+    cfg = load_config_text(CONFIG, source="control.toml")
+    state = StateDir(tmp_path / "state").open()
+    sup = Supervisor(cfg, state, rng=random.Random(0))
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            await n.start(partial(sup.run, handle_signals=False))
+            host, port = read_control(state.path)
+            assert (host, port) == sup.control_address
+            async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+                yield sup, state, client
+            sup.request_shutdown("test over")
+    state.close()
+
+
+def auth(state: StateDir) -> dict[str, str]:
+    return {"Authorization": f"Bearer {state.token}"}
+
+
+@pytest.mark.parametrize("method,path", ENDPOINTS)
+@pytest.mark.parametrize("header", [None, "Bearer wrong-token", "Basic abc", "Bearer"])
+async def test_endpoints_reject_missing_or_wrong_token(daemon, method, path, header):
+    sup, _state, client = daemon
+    headers = {"Authorization": header} if header is not None else {}
+    with trio.fail_after(10):
+        resp = await client.request(method, path, headers=headers)
+    assert resp.status_code == 401
+    assert resp.json()["error"] == "unauthorized"
+    assert resp.headers["www-authenticate"].startswith("Bearer")
+    assert not sup.draining_event.is_set() and not sup.gate.closed
+
+
+async def test_healthz_is_open_and_token_file_is_private(daemon):
+    _sup, state, client = daemon
+    with trio.fail_after(10):
+        resp = await client.get("/healthz")
+    assert resp.status_code == 200 and resp.json() == {"ok": True}
+    assert stat.S_IMODE((state.path / "token").stat().st_mode) == 0o600
+
+
+async def test_status_reports_actors_and_versions(daemon):
+    sup, state, client = daemon
+    with trio.fail_after(10):
+        await trio.sleep(0.2)
+        body = (await client.get("/status", headers=auth(state))).json()
+    assert body["run_id"] == state.run_id and body["instance_id"] == state.instance_id
+    assert body["paused"] is False and body["draining"] is False
+    hb = body["actors"]["heartbeat"]
+    assert hb["state"] == "running" and hb["restarts"] == 0 and hb["last_error"] is None
+    assert hb["versions"]["ticks"] >= 1
+    assert body["mounts"] == ["/echo", "/public"]
+
+
+async def test_metrics_parse_with_prometheus_parser(daemon):
+    _sup, state, client = daemon
+    with trio.fail_after(10):
+        await trio.sleep(0.2)
+        resp = await client.get("/metrics", headers=auth(state))
+    assert resp.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    ticks = [s for s in families["fleetrl_ticker_ticks"].samples
+             if s.labels == {"actor": "heartbeat"}]
+    assert ticks and ticks[0].value >= 1
+    assert "fleetrl_actor_up" in families and "fleetrl_inbox_capacity" in families
+    up = {s.labels["actor"]: s.value for s in families["fleetrl_actor_up"].samples}
+    assert up["heartbeat"] == 1.0
+
+
+async def test_pause_resume_and_shutdown(daemon):
+    sup, state, client = daemon
+    with trio.fail_after(10):
+        assert (await client.post("/pause", headers=auth(state))).json() == {"paused": True}
+        status = (await client.get("/status", headers=auth(state))).json()
+        assert status["paused"] is True
+        ticks = status["actors"]["heartbeat"]["versions"]["ticks"]
+        await trio.sleep(0.3)
+        status = (await client.get("/status", headers=auth(state))).json()
+        assert status["actors"]["heartbeat"]["versions"]["ticks"] <= ticks + 1
+        assert (await client.post("/resume", headers=auth(state))).json() == {"paused": False}
+        resp = await client.post("/shutdown", headers=auth(state))
+        assert resp.status_code == 202
+        await sup.draining_event.wait()
+
+
+async def test_mounted_app_gets_prefix_as_root_path(daemon):
+    _sup, state, client = daemon
+    with trio.fail_after(10):
+        resp = await client.get("/echo/a/b", headers=auth(state))
+        assert resp.json() == {"root_path": "/echo", "path": "/echo/a/b", "actor": "echo"}
+        public = await client.get("/public")
+        assert public.status_code == 200 and public.json()["actor"] == "open"
+        missing = await client.get("/nope", headers=auth(state))
+        assert missing.status_code == 404 and missing.json()["error"] == "not found"
+        wrong_method = await client.get("/pause", headers=auth(state))
+        assert wrong_method.status_code == 405
+
+
+def test_mount_table_rejects_bad_prefixes():
+    from fleetrl.daemon.control import MountTable
+
+    async def app(scope, receive, send):  # pragma: no cover - never called
+        pass
+
+    table = MountTable()
+    table.add("/deltas", app, auth=True, owner="weights")
+    for bad in ("deltas", "/deltas/", "/status", "/metrics/x", ""):
+        with pytest.raises(ValueError, match="mount prefix"):
+            table.add(bad, app, auth=True, owner="x")
+    with pytest.raises(ValueError, match="already used by actor 'weights'"):
+        table.add("/deltas", app, auth=True, owner="other")
+    table.add("/deltas", app, auth=False, owner="weights")  # a restart re-mounts
+    assert table.match("/deltas/v1").auth is False
+    assert table.match("/deltasX") is None
