@@ -1,0 +1,435 @@
+"""The torch reference sampler backend: batched KV-cache decoding in fp32, bf16, fp16 or fp8.
+
+It runs our own Llama forward (`llama_forward`) over weights it holds by Hugging Face
+name, samples with fleetrl.grpo's support definition (`sampler_support`,
+`sample_from_support`), and reports every token's support and weight version.
+
+Precisions:
+
+* ``fp32``, ``bf16``, ``fp16``: every weight and the activations in that dtype (RMSNorm
+  statistics and attention softmax in fp32, as in transformers); logits upcast to fp32.
+* ``fp8``: the seven projection matrices of every decoder layer are stored as
+  ``torch.float8_e4m3fn`` with fp32 scales (`fleetrl.actors.weights.quant`, scheme
+  configurable) and dequantised to bf16 for each matmul; embeddings, norms and the
+  LM head stay bf16, as fp8 inference engines usually keep them.
+
+Weight versions: the backend holds an immutable mapping of named tensors and swaps in a
+new mapping (copy on write) when a version arrives. Every decode step takes the mapping
+and version at its start, so an update that arrives from another thread during a step
+takes effect at the next step: tokens after it carry the new version and come from the
+new weights. As in PipelineRL-style in-flight updates, the key/value cache of tokens
+already processed is kept (it was computed by the old weights); the trainer's
+recomputation and the importance weights correct for that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import torch
+
+from fleetrl.actors.model.tiny_llama import read_llama_config, read_state_dict
+from fleetrl.actors.samplers.base import (
+    BadGenerateRequest,
+    BadWeightUpdate,
+    DType,
+    FinishReason,
+    Generation,
+    Health,
+    NumericalFailure,
+    SamplerIdentity,
+    SamplingParams,
+    WeightVersion,
+    check_prompts,
+)
+from fleetrl.actors.samplers.llama_forward import (
+    KVCache,
+    LlamaShape,
+    RopeTable,
+    WeightReader,
+    attention_mask,
+    decoder_forward,
+    lm_logits,
+)
+from fleetrl.actors.weights.quant import dequantize_fp8, quantize_fp8
+from fleetrl.grpo import sample_from_support, sampler_support
+
+__all__ = ["DecodeRun", "Fp8Weight", "TorchBackend", "TorchBackendConfig"]
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,  # compute dtype; the projections are stored in fp8
+}
+_FP8_SUFFIXES = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+_INITIAL_CACHE_COLUMNS = 64
+
+
+class TorchBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Configuration of one torch sampler."""
+
+    model_dir: str
+    """A saved Llama directory (config.json + *.safetensors), e.g. from create_tiny_llama."""
+    dtype: DType = "fp32"
+    device: str = "cpu"
+    """A torch device string: "cpu", "cuda", "cuda:1", ..."""
+    fp8_scheme: Literal["tensor", "row", "block128"] = "block128"
+    """Scale granularity of fp8 weights (only used when dtype is fp8)."""
+    fp8_dequantize_once: bool = True
+    """Dequantise each fp8 weight once per version and keep the bf16 result (faster,
+    +2 bytes per weight of memory) instead of before every matmul. Either way the
+    matmuls see the same bf16 values, so generations are bit-identical."""
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An fp8 weight: e4m3 values, their fp32 scales, and (optionally) the dequantised
+    bf16 tensor, computed once when the version is installed."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dense: torch.Tensor | None
+
+
+# A stored weight: a dense tensor in the backend's dtype, or an fp8 weight.
+_Stored = torch.Tensor | Fp8Weight
+
+
+class TorchBackend:
+    """Reference sampler backend (see the module docstring). Implements SamplerBackend."""
+
+    def __init__(self, config: TorchBackendConfig, *, version: WeightVersion | None = None) -> None:
+        """Load the weights of `config.model_dir` as `version`.
+
+        Without `version`, the weights are version 0 and the digest is the sha256 of the
+        weight files (the pool normally passes the version and digest it knows).
+        """
+        self.config = config
+        try:
+            self._device = torch.device(config.device)
+        except RuntimeError as exc:
+            raise ValueError(f"TorchBackendConfig.device {config.device!r} is not a torch device: {exc}") from exc
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"TorchBackendConfig.device is {config.device!r} but CUDA is not available")
+        self._compute_dtype = _TORCH_DTYPES[config.dtype]
+        hf_config = read_llama_config(config.model_dir)
+        self.shape = LlamaShape.from_config(hf_config)
+        self._expected = self.shape.parameter_shapes()
+        self._rope = RopeTable(self.shape, self._device)
+        tensors = read_state_dict(config.model_dir)
+        if version is None:
+            version = WeightVersion(0, _files_digest(config.model_dir))
+        self._swap = threading.Lock()  # makes (weights, version) change and read as one
+        self._weights: dict[str, _Stored] = {}
+        self._version = version
+        self.load_version(tensors, version)
+        if self._device.type == "cuda":
+            kind = f"cuda:{torch.cuda.get_device_name(self._device)}"
+        else:
+            kind = self._device.type
+        self._identity = SamplerIdentity(backend="torch", device=kind, dtype=config.dtype)
+
+    # -- SamplerBackend ---------------------------------------------------------------
+
+    @property
+    def identity(self) -> SamplerIdentity:
+        return self._identity
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        return self._version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """Generate for every prompt; versions may change between steps (see apply_update)."""
+        run = self.start(prompts, params)
+        while not run.done:
+            run.step()
+        return run.results()
+
+    def load_version(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
+        """Replace every weight (an anchor). All names of the model must be present."""
+        missing = sorted(set(self._expected) - set(tensors))
+        if missing:
+            raise BadWeightUpdate(
+                f"version {version.version}: a full load needs every weight; missing {len(missing)}: "
+                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+            )
+        stored = self._convert(tensors, version)
+        with self._swap:
+            self._weights, self._version = stored, version
+
+    def apply_update(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
+        """Replace the named weights and move to `version` (newer than the current one).
+
+        Safe to call from another thread while a generation runs: the running decode step
+        finishes with the old weights; the next one uses these.
+        """
+        self._check_newer(version)
+        stored = self._convert(tensors, version)  # the slow part, outside the lock
+        with self._swap:
+            self._check_newer(version)  # another thread may have moved on meanwhile
+            new = dict(self._weights)
+            new.update(stored)
+            self._weights, self._version = new, version
+
+    def health(self) -> Health:
+        """A one-token forward with the current weights; ok when it ends with finite logits."""
+        weights, version = self._snapshot()
+        try:
+            with torch.inference_mode():
+                cache = KVCache(self.shape, 1, 1, self._compute_dtype, self._device)
+                ids = torch.zeros((1, 1), dtype=torch.long, device=self._device)
+                pads = torch.zeros(1, dtype=torch.long, device=self._device)
+                hidden = decoder_forward(
+                    self._reader(weights), self.shape, self._rope, ids, torch.zeros_like(ids),
+                    attention_mask(pads, 0, 1), cache, self._compute_dtype,
+                )
+                logits = lm_logits(self._reader(weights), self.shape, hidden[:, -1])
+            finite = bool(torch.isfinite(logits).all())
+        except Exception as exc:  # a health check reports failures instead of raising them
+            return Health(ok=False, identity=self._identity, version=version,
+                          detail=f"forward failed: {type(exc).__name__}: {exc}")
+        detail = "one-token forward: logits finite" if finite else "one-token forward: non-finite logits"
+        return Health(ok=finite, identity=self._identity, version=version, detail=detail)
+
+    def stored_dtypes(self) -> dict[str, str]:
+        """How each weight is held, e.g. ``"float8_e4m3fn+scale"`` or ``"bfloat16"``."""
+        weights, _ = self._snapshot()
+        return {
+            name: f"{str(v.q.dtype).removeprefix('torch.')}+scale" if isinstance(v, Fp8Weight)
+            else str(v.dtype).removeprefix("torch.")
+            for name, v in weights.items()
+        }
+
+    # -- stepwise decoding ----------------------------------------------------------
+
+    def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> DecodeRun:
+        """Begin a generation that the caller advances with `DecodeRun.step()`."""
+        return DecodeRun(self, prompts, params)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _check_newer(self, version: WeightVersion) -> None:
+        current = self._version
+        if version.version <= current.version:
+            raise BadWeightUpdate(
+                f"update to version {version.version} is not newer than the current version {current.version}"
+            )
+
+    def _snapshot(self) -> tuple[dict[str, _Stored], WeightVersion]:
+        """The weights and their version, read together (a swap never lands in between)."""
+        with self._swap:
+            return self._weights, self._version
+
+    def _reader(self, weights: Mapping[str, _Stored]) -> WeightReader:
+        dtype = self._compute_dtype
+        scheme = self.config.fp8_scheme
+
+        def read(name: str) -> torch.Tensor:
+            value = weights[name]
+            if isinstance(value, Fp8Weight):
+                if value.dense is not None:
+                    return value.dense
+                return dequantize_fp8(value.q, value.scale, scheme, dtype)
+            return value
+
+        return read
+
+    def _convert(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> dict[str, _Stored]:
+        """Check names, shapes and values, then cast or quantise into the backend's storage."""
+        where = f"version {version.version}"
+        unknown = sorted(set(tensors) - set(self._expected))
+        if unknown:
+            raise BadWeightUpdate(f"{where}: unknown weight name(s) {', '.join(unknown[:5])}")
+        out: dict[str, _Stored] = {}
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise BadWeightUpdate(f"{where}: {name} is {type(t).__name__}, not a tensor")
+            if tuple(t.shape) != self._expected[name]:
+                raise BadWeightUpdate(f"{where}: {name} has shape {tuple(t.shape)}, expected {self._expected[name]}")
+            if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise BadWeightUpdate(f"{where}: {name} has dtype {t.dtype}; expected fp32, bf16 or fp16 values")
+            if not bool(torch.isfinite(t).all()):
+                raise BadWeightUpdate(f"{where}: {name} contains NaN or Inf")
+            t = t.detach()
+            if self.config.dtype == "fp8" and name.endswith(_FP8_SUFFIXES):
+                q, scale = quantize_fp8(t.to(self._device), self.config.fp8_scheme)
+                dense = None
+                if self.config.fp8_dequantize_once:
+                    dense = dequantize_fp8(q, scale, self.config.fp8_scheme, self._compute_dtype)
+                out[name] = Fp8Weight(q, scale, dense)
+            else:
+                cast = t.to(device=self._device, dtype=self._compute_dtype, copy=True)
+                if not bool(torch.isfinite(cast).all()):
+                    raise BadWeightUpdate(f"{where}: {name} overflows {self.config.dtype} (values beyond its range)")
+                out[name] = cast
+        return out
+
+
+class DecodeRun:
+    """One batch in generation. `step()` runs one forward pass and samples one token per
+    unfinished prompt (the first step is the prefill of all prompts).
+
+    Prompts are left-padded into one cache; rows that finish (a stop id, their token
+    budget, or the context length) leave the batch, so later steps compute only for the
+    rows still running.
+    """
+
+    def __init__(self, backend: TorchBackend, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        shape = backend.shape
+        self._backend = backend
+        self._params = params
+        rows = check_prompts(prompts, shape.vocab_size)
+        for i, stop in enumerate(params.stop_ids):
+            if stop >= shape.vocab_size:
+                raise BadGenerateRequest(f"stop_ids[{i}] = {stop} is not a token id in [0, {shape.vocab_size})")
+        limit = shape.max_position_embeddings
+        budgets = []
+        for i, row in enumerate(rows):
+            room = limit - len(row)
+            if room < 1:
+                raise BadGenerateRequest(
+                    f"prompts[{i}] has {len(row)} tokens; the context holds {limit}, leaving no room to generate"
+                )
+            budgets.append(min(params.max_tokens, room))
+        device = backend._device
+        self._device = device
+        self._n = len(rows)
+        self._width = max(len(r) for r in rows)
+        self._prompts = rows
+        self._budget = budgets
+        self._stop = torch.tensor(sorted(set(params.stop_ids)), dtype=torch.long, device=device)
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        self._active = torch.arange(self._n, device=device)
+        self._pads = torch.tensor([self._width - len(r) for r in rows], dtype=torch.long, device=device)
+        self._budget_t = torch.tensor(budgets, dtype=torch.long, device=device)
+        self._cache = KVCache(
+            shape, self._n, self._width + min(max(budgets), _INITIAL_CACHE_COLUMNS),
+            backend._compute_dtype, device,
+        )
+        self._next: torch.Tensor | None = None
+        self._count = torch.zeros(self._n, dtype=torch.long, device=device)
+        self._tokens: list[list[int]] = [[] for _ in rows]
+        self._logprobs: list[list[float]] = [[] for _ in rows]
+        self._support_ids: list[list[int]] = [[] for _ in rows]
+        self._support_lps: list[list[float]] = [[] for _ in rows]
+        self._offsets: list[list[int]] = [[0] for _ in rows]
+        self._versions: list[list[int]] = [[] for _ in rows]
+        self._finish: list[FinishReason | None] = [None] * self._n
+        self.steps = 0
+
+    @property
+    def done(self) -> bool:
+        return self._active.numel() == 0
+
+    def step(self) -> None:
+        """One forward pass and one sampled token for every unfinished prompt."""
+        if self.done:
+            raise RuntimeError("DecodeRun.step() called after every prompt finished")
+        backend = self._backend
+        weights, version = backend._snapshot()
+        read = backend._reader(weights)
+        shape, cache, dtype = backend.shape, self._cache, backend._compute_dtype
+        with torch.inference_mode():
+            if self._next is None:
+                width = self._width
+                pad_id = 0
+                ids = torch.full((self._n, width), pad_id, dtype=torch.long)
+                for i, row in enumerate(self._prompts):
+                    ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+                ids = ids.to(self._device)
+                positions = (torch.arange(width, device=self._device)[None] - self._pads[:, None]).clamp(min=0)
+                mask = attention_mask(self._pads, 0, width)
+            else:
+                ids = self._next[:, None]
+                positions = (cache.length - self._pads)[:, None]
+                mask = attention_mask(self._pads, cache.length, 1)
+            hidden = decoder_forward(read, shape, backend._rope, ids, positions, mask, cache, dtype)
+            logits = lm_logits(read, shape, hidden[:, -1])
+            if not bool(torch.isfinite(logits).all()):
+                row = int(self._active[(~torch.isfinite(logits)).any(-1).nonzero()[0, 0]])
+                raise NumericalFailure(
+                    f"prompts[{row}]: non-finite logits at decode step {self.steps} "
+                    f"(dtype {backend.config.dtype}, weight version {version.version})"
+                )
+            p = self._params
+            support_ids, support_lps = sampler_support(logits, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+            tokens, token_lps = sample_from_support(support_ids, support_lps, generator=self._generator)
+        self.steps += 1
+        self._record(tokens, token_lps, support_ids, support_lps, version.version)
+
+    def _record(self, tokens, token_lps, support_ids, support_lps, version: int) -> None:
+        self._count += 1
+        stopped = torch.isin(tokens, self._stop) if self._stop.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+        out_of_budget = self._count >= self._budget_t
+        finished = stopped | out_of_budget
+        sizes = (support_ids >= 0).sum(-1).tolist()
+        ids_rows = support_ids.tolist()
+        lps_rows = support_lps.tolist()
+        for j, (row, tok, lp, size) in enumerate(zip(self._active.tolist(), tokens.tolist(), token_lps.tolist(), sizes)):
+            self._tokens[row].append(tok)
+            self._logprobs[row].append(lp)
+            self._support_ids[row].extend(ids_rows[j][:size])
+            self._support_lps[row].extend(lps_rows[j][:size])
+            self._offsets[row].append(self._offsets[row][-1] + size)
+            self._versions[row].append(version)
+        if bool(finished.any()):
+            for j in finished.nonzero().flatten().tolist():
+                row = int(self._active[j])
+                self._finish[row] = "stop" if bool(stopped[j]) else "length"
+            keep = (~finished).nonzero().flatten()
+            self._active = self._active[keep]
+            self._pads = self._pads[keep]
+            self._budget_t = self._budget_t[keep]
+            self._count = self._count[keep]
+            self._cache.keep_rows(keep)
+            tokens = tokens[keep]
+        self._next = tokens
+
+    def results(self) -> list[Generation]:
+        """The generations, in prompt order (only once every prompt has finished)."""
+        if not self.done:
+            raise RuntimeError("DecodeRun.results() called before every prompt finished")
+        identity = self._backend.identity
+        return [
+            Generation(
+                token_ids=tuple(self._tokens[i]),
+                logprobs=tuple(self._logprobs[i]),
+                support_ids=tuple(self._support_ids[i]),
+                support_logprobs=tuple(self._support_lps[i]),
+                support_offsets=tuple(self._offsets[i]),
+                versions=tuple(self._versions[i]),
+                finish_reason=self._finish[i] or "length",
+                sampler=identity,
+                seed=self.seed,
+            )
+            for i in range(self._n)
+        ]
+
+
+def _files_digest(model_dir: str) -> str:
+    """sha256 over the weight files of a model directory, in name order."""
+    h = hashlib.sha256()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(file.name.encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()

@@ -1,0 +1,61 @@
+"""A small saved model (grouped-query attention, peaked enough that top-p supports are
+small and varied) shared by the sampler tests, and the transformers copy of it that
+plays the trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, load_tiny_llama, save_tiny_llama
+
+SPEC = TinyLlamaSpec(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
+
+PROMPTS = [
+    [BOS_ID, *b"def add(a, b):\n    return"],
+    [BOS_ID, *b"x"],
+    [BOS_ID, *b"print('hello, world')\n# and then some more text to make it longer"],
+]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(build_tiny_llama(SPEC, seed=11), tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(tmp_path_factory):
+    """Same architecture, other weights: the 'next version' in update tests."""
+    return save_tiny_llama(build_tiny_llama(SPEC, seed=12), tmp_path_factory.mktemp("model2") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def trainer(model_dir):
+    """The trainer's view: transformers LlamaForCausalLM in fp32."""
+    return load_tiny_llama(model_dir)
+
+
+@pytest.fixture(scope="session")
+def fp32_backend(model_dir):
+    """An fp32 torch backend of `model_dir` that no test updates (shared, read-only)."""
+    from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
+
+    return TorchBackend(TorchBackendConfig(model_dir=str(model_dir)))
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny matmuls gain nothing from intra-op threads, and on a shared, busy machine the
+    thread pool's spin-waiting makes them ~20x slower; restore the setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
