@@ -1,1 +1,59 @@
-"""fleetrl.sandboxes"""
+"""fleetrl.sandboxes: hardened Docker sandboxes with a locally built image, a warm pool
+and an orphan sweep. Embeddable alone: imports nothing else of fleetrl.
+
+    from fleetrl.sandboxes import Ownership, open_sandbox_pool
+
+    async with open_sandbox_pool(Ownership.for_state_dir(".fleetrl", owner=iid)) as pool:
+        async with pool.lease() as sb:
+            r = await sb.exec("python3 -c 'print(6*7)'", timeout=10)
+
+See docs/sandboxes.md for what is isolated and what is not.
+"""
+
+from .image import DEFAULT_IMAGE, BuildResult, ImageBuildError, ImageRecipe, ensure_image, recipe_hash
+from .limits import DEFAULT_LIMITS, Limits, parse_size
+from .metrics import PoolStatistics, SandboxMetrics
+from .pool import PoolClosedError, SandboxPool, open_sandbox_pool
+from .sandbox import (
+    Engine,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxGoneError,
+    SandboxStartError,
+    open_sandbox,
+    start_sandbox,
+)
+from .sweep import Ownership, SweepReport, state_hash, sweep, sweep_blocking
+from .warm import WarmPolicy
+
+__all__ = [
+    "DEFAULT_IMAGE",
+    "DEFAULT_LIMITS",
+    "BuildResult",
+    "Engine",
+    "ExecResult",
+    "ImageBuildError",
+    "ImageRecipe",
+    "Limits",
+    "Ownership",
+    "PoolClosedError",
+    "PoolStatistics",
+    "Sandbox",
+    "SandboxError",
+    "SandboxGoneError",
+    "SandboxMetrics",
+    "SandboxPool",
+    "SandboxStartError",
+    "SweepReport",
+    "WarmPolicy",
+    "ensure_image",
+    "open_sandbox",
+    "open_sandbox_pool",
+    "parse_size",
+    "recipe_hash",
+    "start_sandbox",
+    "state_hash",
+    "sweep",
+    "sweep_blocking",
+]
