@@ -86,6 +86,11 @@ class ActorContext:
     def instance_id(self) -> str:
         return self._kernel.instance_id
 
+    @property
+    def daemon_dir(self) -> Path:
+        """The daemon's state directory (``ctx.state_dir`` is this actor's own subdirectory)."""
+        return self._kernel.state.path
+
     # -- messaging ----------------------------------------------------------------
     def sender(self, name: str) -> trio.MemorySendChannel[Any]:
         """A send channel into actor `name`'s inbox (closed when this incarnation ends).

@@ -43,7 +43,7 @@ target = "sink"
 
 def test_default_config_loads_and_runs_the_heartbeat():
     cfg = load_config(default_config_path())
-    assert [s.name for s in cfg.actors] == ["heartbeat"]
+    assert [s.name for s in cfg.actors] == ["heartbeat", "sandbox_janitor"]
     assert isinstance(cfg.actors[0].config, TickerConfig)
     assert cfg.http.host == "127.0.0.1"
 
