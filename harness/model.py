@@ -1,0 +1,137 @@
+"""The model as the harness side sees it: a client of the sampler pool.
+
+`ModelClient` is the one thing a harness (built in or external, through the
+OpenAI-compatible endpoint) needs from the model: ``generate(prompt_ids, params)``
+returning the wire `Generation` of ``fleetrl.daemon.messages`` (generated ids, the
+sampler's log q^S, the support, weight versions, sampler identity, finish reason), and
+its ``tokenizer`` (`chat.ChatTokenizer`: encode, decode, special ids). The sampler pool
+(actors/) implements it; tests use in-memory fakes and an adapter over the torch
+backend.
+
+`HFChatTokenizer` adapts a Hugging Face tokenizer (object or saved directory) to
+`ChatTokenizer`. `RecordedModel` makes chat and completion calls through an
+`recording.AttemptRecorder`, so every call a built-in harness makes is recorded
+token-exactly, exactly as calls through the endpoint are.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from fleetrl.daemon.messages import Generation, SamplingParams
+
+from .chat import ChatMessage, ChatTokenizer
+from .recording import AttemptRecorder, CallRecord
+
+__all__ = [
+    "ChatTokenizer",
+    "HFChatTokenizer",
+    "ModelClient",
+    "ModelUnavailable",
+    "RecordedModel",
+]
+
+
+class ModelUnavailable(Exception):
+    """The model could not answer (no sampler, sampler failure); not the caller's fault.
+
+    ``retryable``: whether another try may succeed."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@runtime_checkable
+class ModelClient(Protocol):
+    """A client of the sampler pool."""
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        """The tokenizer of the model (encode/decode, special ids) for the chat layout."""
+        ...
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """Continue ``prompt_ids``; raises `ModelUnavailable` when it cannot."""
+        ...
+
+
+class HFChatTokenizer:
+    """A Hugging Face tokenizer as a `ChatTokenizer`.
+
+    ``encode`` adds no special tokens (text spelling a special token still maps to its
+    id, as in ``apply_chat_template``); ``decode`` skips special tokens.
+    """
+
+    def __init__(self, hf: Any) -> None:
+        if hf.eos_token_id is None:
+            raise ValueError("HFChatTokenizer: the tokenizer has no eos token; the chat layout needs one")
+        self.hf = hf
+        self._bos: int | None = hf.bos_token_id
+        self._eos: int = int(hf.eos_token_id)
+        self._vocab = len(hf)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str]) -> HFChatTokenizer:
+        """Load a saved tokenizer directory with transformers' AutoTokenizer."""
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(os.fspath(directory)))
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+
+class RecordedModel:
+    """Chat and completion calls to ``model``, each recorded by ``recorder``."""
+
+    def __init__(self, model: ModelClient, recorder: AttemptRecorder) -> None:
+        self.model = model
+        self.recorder = recorder
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self.model.tokenizer
+
+    def _params(self, params: SamplingParams) -> SamplingParams:
+        eos = self.model.tokenizer.eos_id
+        if eos in params.stop_ids:
+            return params
+        return SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop_ids=(*params.stop_ids, eos),
+            seed=params.seed,
+        )
+
+    async def chat(self, messages: Sequence[ChatMessage], params: SamplingParams, *, stop: Sequence[str] = ()) -> CallRecord:
+        """One chat call: prompt from the recorder's history, ``<eos>`` always a stop id."""
+        msgs = tuple(messages)
+        plan = self.recorder.plan_chat(msgs)
+        gen = await self.model.generate(plan.ids, self._params(params))
+        return self.recorder.record_chat(msgs, plan, gen, stops=stop)
+
+    async def complete(self, prompt_ids: Sequence[int], params: SamplingParams, *, stop: Sequence[str] = ()) -> CallRecord:
+        """One completion call on raw prompt ids, ``<eos>`` always a stop id."""
+        ids = list(prompt_ids)
+        gen = await self.model.generate(ids, self._params(params))
+        return self.recorder.record_completion(ids, gen, stops=stop)

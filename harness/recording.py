@@ -1,0 +1,213 @@
+"""Per-attempt records of model calls: what every call saw and produced, token-exactly.
+
+Pure (no I/O). An `AttemptRecorder` is fed by whoever makes the calls (the
+OpenAI-compatible endpoint or a built-in harness): it plans each chat prompt through
+`chat.ChatHistory` (reusing earlier ids where the conversation extends an earlier
+call) and records each answer as a `CallRecord`, whose `TokenSegment` is exactly the
+wire record the trainer consumes (prompt ids, generated ids, the sampler's log q^S,
+support, weight versions, sampler identity, finish reason). `AttemptRecorder.finish`
+freezes everything into an `AttemptRecord`, which turns into a `Trajectory` once the
+attempt is scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from fleetrl.daemon.messages import Generation, SupportCSR, TokenSegment, Trajectory
+from fleetrl.daemon.protocol import Tensor
+
+from .chat import ChatHistory, ChatMessage, ChatTokenizer, PromptPlan, cut_at_stop_strings
+
+__all__ = [
+    "AttemptRecord",
+    "AttemptRecorder",
+    "CallKind",
+    "CallRecord",
+    "truncate_generation",
+]
+
+CallKind = Literal["chat", "completion"]
+
+
+class CallRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One model call of an attempt.
+
+    ``segment``: the prompt ids and the generated tokens with everything the trainer
+    needs. ``extends``: index of the earlier call whose ids this prompt starts with
+    (None: tokenised from scratch, a new segment of the conversation, and
+    ``new_segment_reason`` says why). ``reused_tokens``: how many leading prompt ids
+    were taken from that call. ``text``: the answer as the caller saw it (after stop
+    strings). ``stop``: the stop string that ended it, if any. ``ignored_params``:
+    request parameters that were ignored (unknown or unsupported).
+    """
+
+    index: int
+    kind: CallKind
+    segment: TokenSegment
+    text: str
+    extends: int | None = None
+    reused_tokens: int = 0
+    new_segment_reason: str | None = None
+    stop: str | None = None
+    ignored_params: tuple[str, ...] = ()
+    messages: tuple[ChatMessage, ...] = ()
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.segment.prompt_ids.to_numpy().tolist()
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.segment.token_ids.to_numpy().tolist()
+
+
+class AttemptRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Every model call of one attempt, in the order the calls finished."""
+
+    attempt_id: str
+    task_id: str
+    calls: tuple[CallRecord, ...] = ()
+
+    @property
+    def segments(self) -> tuple[TokenSegment, ...]:
+        return tuple(c.segment for c in self.calls)
+
+    @property
+    def n_new_segments(self) -> int:
+        """Calls whose prompt was tokenised from scratch (the first one included)."""
+        return sum(c.extends is None for c in self.calls)
+
+    def trajectory(self, *, group_id: str, reward: float, metrics: Mapping[str, float] | None = None) -> Trajectory:
+        """The `Trajectory` message of this attempt once scored."""
+        return Trajectory(
+            attempt_id=self.attempt_id,
+            task_id=self.task_id,
+            group_id=group_id,
+            segments=self.segments,
+            reward=float(reward),
+            metrics=dict(metrics or {}),
+        )
+
+
+def truncate_generation(gen: Generation, n: int) -> Generation:
+    """The first ``n`` generated tokens of ``gen`` (with their supports), unchanged
+    otherwise; finish reason "stop" when tokens were dropped (a stop string ended it)."""
+    total = gen.token_ids.shape[0]
+    if not 0 <= n <= total:
+        raise ValueError(f"truncate_generation: n={n} is outside [0, {total}]")
+    if n == total:
+        return gen
+    off = gen.support.offsets.to_numpy()
+    end = int(off[n])
+    support = SupportCSR(
+        ids=Tensor.from_numpy(gen.support.ids.to_numpy()[:end]),
+        logprobs=Tensor.from_numpy(gen.support.logprobs.to_numpy()[:end]),
+        offsets=Tensor.from_numpy(off[: n + 1].astype(np.int64)),
+    )
+    return msgspec.structs.replace(
+        gen,
+        token_ids=Tensor.from_numpy(gen.token_ids.to_numpy()[:n]),
+        logprobs=Tensor.from_numpy(gen.logprobs.to_numpy()[:n]),
+        versions=Tensor.from_numpy(gen.versions.to_numpy()[:n]),
+        support=support,
+        finish_reason="stop",
+    )
+
+
+def _ended_by(gen: Generation, stop: str | None) -> Generation:
+    if stop is not None and gen.finish_reason != "stop":
+        return msgspec.structs.replace(gen, finish_reason="stop")
+    return gen
+
+
+def _ids_tensor(ids: Sequence[int]) -> Tensor:
+    return Tensor.from_numpy(np.asarray(ids, dtype=np.int64).reshape(-1))
+
+
+class AttemptRecorder:
+    """Records the calls of one attempt (mutable; one per attempt)."""
+
+    def __init__(self, attempt_id: str, task_id: str, tokenizer: ChatTokenizer) -> None:
+        self.attempt_id = attempt_id
+        self.task_id = task_id
+        self.tokenizer = tokenizer
+        self.history = ChatHistory(tokenizer)
+        self._calls: list[CallRecord] = []
+        self._next_index = 0
+
+    @property
+    def calls(self) -> tuple[CallRecord, ...]:
+        return tuple(self._calls)
+
+    def plan_chat(self, messages: Sequence[ChatMessage]) -> PromptPlan:
+        """The prompt of a chat call with ``messages`` (see `ChatHistory.plan`)."""
+        return self.history.plan(messages)
+
+    def _take_index(self) -> int:
+        i = self._next_index
+        self._next_index += 1
+        return i
+
+    def record_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        plan: PromptPlan,
+        gen: Generation,
+        *,
+        stops: Sequence[str] = (),
+        ignored_params: Sequence[str] = (),
+    ) -> CallRecord:
+        """Record the answer ``gen`` to a chat call planned as ``plan``; stop strings
+        cut it (see `chat.cut_at_stop_strings`). Returns the record."""
+        generated = gen.token_ids.to_numpy().tolist()
+        cut = cut_at_stop_strings(self.tokenizer, generated, stops)
+        gen = _ended_by(truncate_generation(gen, cut.n_tokens), cut.stop)
+        index = self._take_index()
+        self.history.add(index, messages, plan.ids, generated[: cut.n_tokens], cut.text, cut.context_tokens)
+        rec = CallRecord(
+            index=index,
+            kind="chat",
+            segment=TokenSegment.from_generation(_ids_tensor(plan.ids), gen),
+            text=cut.text,
+            extends=plan.extends,
+            reused_tokens=plan.reused,
+            new_segment_reason=plan.reason,
+            stop=cut.stop,
+            ignored_params=tuple(ignored_params),
+            messages=tuple(messages),
+        )
+        self._calls.append(rec)
+        return rec
+
+    def record_completion(
+        self,
+        prompt_ids: Sequence[int],
+        gen: Generation,
+        *,
+        stops: Sequence[str] = (),
+        ignored_params: Sequence[str] = (),
+    ) -> CallRecord:
+        """Record a plain completion call (always its own segment)."""
+        generated = gen.token_ids.to_numpy().tolist()
+        cut = cut_at_stop_strings(self.tokenizer, generated, stops)
+        gen = _ended_by(truncate_generation(gen, cut.n_tokens), cut.stop)
+        rec = CallRecord(
+            index=self._take_index(),
+            kind="completion",
+            segment=TokenSegment.from_generation(_ids_tensor(prompt_ids), gen),
+            text=cut.text,
+            new_segment_reason="completion call (a raw prompt, not a conversation)",
+            stop=cut.stop,
+            ignored_params=tuple(ignored_params),
+        )
+        self._calls.append(rec)
+        return rec
+
+    def finish(self) -> AttemptRecord:
+        """Everything recorded so far, frozen."""
+        return AttemptRecord(attempt_id=self.attempt_id, task_id=self.task_id, calls=tuple(self._calls))

@@ -1,0 +1,120 @@
+"""The endpoint and a built-in harness over the real tiny model and torch sampler backend.
+
+The adapter below is the test's own model client: it runs the backend's blocking
+``generate`` in a worker thread and converts its result to the wire `Generation`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+import trio
+from harness_api_fakes import FakeSandbox, serving
+
+from fleetrl.actors.model import TinyLlamaSpec, create_tiny_llama, save_byte_tokenizer
+from fleetrl.actors.samplers.base import SamplingParams as BackendParams
+from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
+from fleetrl.daemon.messages import Generation, SamplerIdentity, SamplingParams, SupportCSR
+from fleetrl.daemon.protocol import Tensor
+from fleetrl.harness.builtin import ShellAgentHarness
+from fleetrl.harness.model import HFChatTokenizer
+from fleetrl.harness.openai_api import AttemptRegistry, EndpointConfig, create_app
+from fleetrl.harness.tasks import Evaluator, Limits, Task
+
+SPEC = TinyLlamaSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                     max_position_embeddings=1024, initializer_range=0.1)
+
+
+class TorchClient:
+    """A ModelClient over a TorchBackend (blocking generate in a worker thread)."""
+
+    def __init__(self, backend: TorchBackend, tokenizer) -> None:
+        self.backend = backend
+        self._tok = tokenizer
+        self.requests: list[tuple[list[int], BackendParams]] = []
+
+    @property
+    def tokenizer(self):
+        return self._tok
+
+    async def generate(self, prompt_ids, params: SamplingParams) -> Generation:
+        bp = BackendParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                           top_k=params.top_k, stop_ids=tuple(params.stop_ids), seed=params.seed)
+        self.requests.append((list(prompt_ids), bp))
+        (g,) = await trio.to_thread.run_sync(self.backend.generate, [list(prompt_ids)], bp)
+        ident = self.backend.identity
+        return Generation(
+            request_id=f"torch-{len(self.requests)}",
+            token_ids=Tensor.from_numpy(np.asarray(g.token_ids, dtype=np.int64)),
+            logprobs=Tensor.from_numpy(np.asarray(g.logprobs, dtype=np.float32)),
+            support=SupportCSR(
+                ids=Tensor.from_numpy(np.asarray(g.support_ids, dtype=np.int64)),
+                logprobs=Tensor.from_numpy(np.asarray(g.support_logprobs, dtype=np.float32)),
+                offsets=Tensor.from_numpy(np.asarray(g.support_offsets, dtype=np.int64)),
+            ),
+            versions=Tensor.from_numpy(np.asarray(g.versions, dtype=np.int64)),
+            sampler=SamplerIdentity(sampler_id="torch-test", backend=ident.backend, device_kind=ident.device,
+                                    dtype=ident.dtype),
+            finish_reason=g.finish_reason,
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = create_tiny_llama(root / "model", SPEC, seed=3)
+    save_byte_tokenizer(root / "model", model_max_length=1024)
+    backend = TorchBackend(TorchBackendConfig(model_dir=str(model_dir)))
+    tok = HFChatTokenizer.from_pretrained(root / "model")  # the saved directory, as a user would give it
+    return backend, tok
+
+
+async def test_openai_client_against_the_tiny_model_is_recorded_token_exactly(tiny):
+    backend, tok = tiny
+    model = TorchClient(backend, tok)
+    registry = AttemptRegistry(tok)
+    app = create_app(model, registry, EndpointConfig(model_name="tiny", context_length=1024))
+    key = registry.open_attempt("a", "t")
+    with trio.fail_after(180):
+        async with serving(app) as base:
+            def converse():
+                with openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60) as c:
+                    return _converse(c)
+
+            def _converse(c):
+                msgs = [{"role": "user", "content": "write a function"}]
+                for i in range(3):
+                    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, seed=100 + i,
+                                                  top_p=0.9, stream=i == 1)
+                    text = ("".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if i == 1
+                            else r.choices[0].message.content)
+                    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
+                comp = c.completions.create(model="tiny", prompt="def f(x):\n", max_tokens=8, seed=1)
+                return comp
+            comp = await trio.to_thread.run_sync(converse)
+    record = registry.close_attempt(key)
+    assert len(record.calls) == 4 and record.n_new_segments == 2  # the chat, then the completion
+    for i in (1, 2):
+        prev, call = record.calls[i - 1], record.calls[i]
+        assert call.extends == i - 1
+        assert call.prompt_ids[: len(prev.prompt_ids) + len(prev.token_ids)] == prev.prompt_ids + prev.token_ids
+    # the recorded tokens are the model's: a seeded rerun of the backend gives them again
+    for call, (prompt, bp) in zip(record.calls, model.requests):
+        assert call.prompt_ids == prompt
+        (again,) = backend.generate([prompt], bp)
+        assert list(again.token_ids) == call.token_ids
+        assert np.allclose(call.segment.logprobs.to_numpy(), again.logprobs, atol=1e-6)
+    assert record.calls[0].segment.sampler.backend == "torch"
+    assert comp.choices[0].text == record.calls[3].text
+
+
+async def test_shell_agent_with_the_tiny_model(tiny):
+    backend, tok = tiny
+    task = Task(id="t", prompt="list the files", evaluator=Evaluator(command="true"), limits=Limits(max_turns=2))
+    with trio.fail_after(120):
+        episode = await ShellAgentHarness(max_tokens=10).run(task, FakeSandbox(), TorchClient(backend, tok))
+    # a random tiny model proposes no valid command: two format reminders, then the turn limit
+    assert episode.final_state == "turn_limit" and episode.n_calls == 2
+    c0, c1 = episode.record.calls
+    assert c1.extends == 0 and c1.prompt_ids[: len(c0.prompt_ids) + len(c0.token_ids)] == c0.prompt_ids + c0.token_ids
