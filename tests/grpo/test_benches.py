@@ -1,0 +1,51 @@
+"""The grpo benches run end to end at tiny sizes and end with one JSON line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(*args: str) -> tuple[str, dict]:
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    return proc.stdout, json.loads(lines[-1])
+
+
+@pytest.mark.slow
+def test_loss_speed_bench_runs_small():
+    out, result = run_bench("bench/loss_speed.py", "--B", "2", "--T", "8", "--V", "300", "--K", "8",
+                            "--repeats", "1", "--threads", "1")
+    assert result["bench"] == "loss_speed" and result["K"] == 8
+    assert result["ratio"] > 0 and result["plain_s"] > 0
+    assert "goal <= 1.5x" in out
+
+
+@pytest.mark.slow
+def test_corrections_bench_runs_small():
+    out, result = run_bench("bench/corrections.py", "--steps", "3", "--seeds", "1", "--scenarios", "fleet,fp8",
+                            "--variants", "on-policy,no-corr,mask+replay+cent", "--eval-n", "16", "--groups", "3")
+    table = result["results"]
+    assert set(table) == {"fleet", "fp8"}
+    assert set(table["fleet"]) == {"on-policy", "no-corr", "mask+replay+cent"}
+    for scenario in table.values():
+        assert scenario["on-policy"]["kl"] == [0.0, 0.0]  # the sampler is the trainer
+        assert scenario["no-corr"]["kl"][0] > 0  # a real mismatch was simulated
+        for row in scenario.values():
+            assert 0.0 <= row["final_reward"][0] <= 1.0
+    assert "scenario fleet" in out
+
+
+def test_corrections_bench_rejects_an_unknown_name():
+    proc = subprocess.run([sys.executable, "bench/corrections.py", "--scenarios", "stale99"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and "unknown scenario or variant 'stale99'" in proc.stderr
