@@ -15,6 +15,8 @@ published step is encoded, and for each learning rate this prints:
 * encode and apply GB/s of weight bytes (apply = parse + verify + in-place XOR + hashes),
   by wall clock and per CPU-second (the machine is shared; the load average is printed);
   encode excludes hashing the new version, which the publisher does for its digest anyway;
+* the same encode and apply on one thread (the baseline: the codec before chunks were
+  spread over worker threads) and the speed-up of the default thread count over it;
 * alternatives (filters, split, codecs, block sizes, dense thresholds): size as % of bound
   and encode speed, so the defaults are a measured choice.
 
@@ -35,7 +37,14 @@ import torch
 
 from fleetrl.actors.weights import codec
 from fleetrl.actors.weights.metrics import entropy_bound_bytes
-from fleetrl.actors.weights.version import Layout, TensorSpec, chunk_hashes, digest_of, u16_view
+from fleetrl.actors.weights.version import (
+    DEFAULT_THREADS,
+    Layout,
+    TensorSpec,
+    chunk_hashes,
+    digest_of,
+    u16_view,
+)
 
 LRS = [1e-7, 1e-6, 3e-6, 1e-5]
 
@@ -121,30 +130,39 @@ def best_of(fn, reps: int):
     return best, out
 
 
-def measure(layout, old, new, reps: int, alternatives: bool) -> dict:
+def measure(layout, old, new, reps: int, alternatives: bool, threads: int = DEFAULT_THREADS) -> dict:
     total = layout.numel
     wbytes = 2 * total
     hashes = chunk_hashes(layout, new)
     base_digest = digest_of(chunk_hashes(layout, old))
 
-    def enc(params=codec.DEFAULT_PARAMS):
+    def enc(params=codec.DEFAULT_PARAMS, threads=threads):
         d = codec.build(layout, old, new, run="bench", base_version=0, base_digest=base_digest,
-                        target_version=1, target_hashes=hashes, params=params)
-        return d, codec.serialize(d, params)
+                        target_version=1, target_hashes=hashes, params=params, threads=threads)
+        return d, codec.serialize(d, params, threads=threads)
 
     enc_s, (d, blob) = best_of(enc, reps)
     enc_cpu = best_of.cpu
+    enc1_s, (_, blob1) = best_of(lambda: enc(threads=1), reps)
+    assert blob1 == blob, "the thread count changed the bytes"
     values = np.concatenate([d.values, d.dense[d.dense != 0]])
     bound = entropy_bound_bytes(total, values)
     work = [a.copy() for a in old]
-    apply_times, apply_cpu = [], []
-    for _ in range(reps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        codec.apply(work, blob, layout, current_version=0, current_digest=base_digest)
-        apply_times.append(time.perf_counter() - t0)
-        apply_cpu.append(time.process_time() - c0)
-        for a, b in zip(work, old):  # back to the base for the next repetition (not timed)
-            np.copyto(a, b)
+
+    def timed_apply(threads):
+        times, cpu = [], []
+        for _ in range(reps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            codec.apply(work, blob, layout, current_version=0, current_digest=base_digest,
+                        threads=threads)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+            for a, b in zip(work, old):  # back to the base for the next repetition (not timed)
+                np.copyto(a, b)
+        return times, cpu
+
+    apply1_times, _ = timed_apply(1)
+    apply_times, apply_cpu = timed_apply(threads)
     codec.apply(work, blob, layout, current_version=0, current_digest=base_digest)
     assert all(np.array_equal(a, b) for a, b in zip(work, new)), "delta is not exact"
     row = {
@@ -157,6 +175,9 @@ def measure(layout, old, new, reps: int, alternatives: bool) -> dict:
         "raw_int32_index_bf16_value_ratio": wbytes / (6 * values.size) if values.size else math.inf,
         "encode_GBps": wbytes / enc_s / 1e9,
         "apply_GBps": wbytes / min(apply_times) / 1e9,
+        "threads": threads,
+        "encode_1thread_GBps": wbytes / enc1_s / 1e9,
+        "apply_1thread_GBps": wbytes / min(apply1_times) / 1e9,
         # per CPU-second (all threads): what the code costs when the 2 cores are shared
         "encode_GB_per_cpu_s": wbytes / enc_cpu / 1e9,
         "apply_GB_per_cpu_s": wbytes / min(apply_cpu) / 1e9,
@@ -214,6 +235,10 @@ def main() -> None:
         print(f"  encode {row['encode_GBps']:.2f} GB/s, apply {row['apply_GBps']:.2f} GB/s wall (of weight bytes); "
               f"per CPU-second: encode {row['encode_GB_per_cpu_s']:.2f}, apply {row['apply_GB_per_cpu_s']:.2f}; "
               f"load average {row['load_avg_1min']:.1f}")
+        print(f"  baseline, 1 thread: encode {row['encode_1thread_GBps']:.2f} GB/s, apply "
+              f"{row['apply_1thread_GBps']:.2f} GB/s; {row['threads']} threads are "
+              f"{row['encode_GBps'] / row['encode_1thread_GBps']:.2f}x / "
+              f"{row['apply_GBps'] / row['apply_1thread_GBps']:.2f}x faster")
         for name, a in row.get("alternatives", {}).items():
             print(f"    alt {name:38s} {a['pct_of_bound']:6.1f}% of bound, encode {a['encode_GBps']:.2f} GB/s")
     worst = min(r["pct_of_bound"] for r in results.values())

