@@ -1,0 +1,179 @@
+"""The trainer actor: a thin Trio loop around `Trainer` (docs/trainer.md).
+
+Reads `RolloutGroup`s from its inbox, judges each with the rollout buffer (staleness,
+zero variance, duplicates, malformed groups), trains whenever ``groups_per_step`` are
+queued, publishes every new version into a `LocalDirStore` under its state directory
+(served on the control plane at ``/weights``), reports its version, exports Prometheus
+metrics, writes one JSON line of `StepMetrics` per step into ``metrics.jsonl``, and
+checkpoints: the daemon's hook (periodic and final), plus its own file every
+``checkpoint_every`` steps and when it ends.
+
+Exactly-once: a group is marked trained in the same locked section as the step that
+trains it, and the checkpoint holds the queued groups and the trained ids, so after a
+crash a group is either still queued (and trained later) or recorded as trained (and a
+re-sent copy is refused as a duplicate).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import trio
+
+from fleetrl.actors.buffer import Admitted, BadGroup, Duplicate, StaleGroup, ZeroVariance
+from fleetrl.actors.weights.http import blob_app
+from fleetrl.daemon.actor import ActorContext
+from fleetrl.daemon.messages import RolloutFailed, RolloutGroup
+
+from .batch import BadBatch, check_group
+from .config import TrainerConfig
+from .core import Trainer
+from .step import StepMetrics
+
+__all__ = ["run"]
+
+_STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
+
+
+class _Metrics:
+    """The trainer's Prometheus series (labelled actor=<name> by the kernel)."""
+
+    def __init__(self, ctx: ActorContext) -> None:
+        mx = ctx.metrics
+        self.mx = mx
+        self.version = mx.gauge("trainer_version", "Newest published weight version")
+        self.step = mx.gauge("trainer_step", "Optimizer steps taken")
+        self.queued = mx.gauge("trainer_buffer_groups", "Rollout groups queued in the buffer")
+        self.staleness = mx.histogram("trainer_group_staleness", "Staleness of admitted groups (versions)",
+                                      buckets=_STALENESS_BUCKETS)
+        self.gauges = {name: mx.gauge(f"trainer_{name}", doc) for name, doc in (
+            ("loss", "Policy loss of the last step"),
+            ("grad_norm", "Gradient L2 norm before clipping, last step"),
+            ("reward_mean", "Mean reward of the last batch"),
+            ("pass_rate", "Fraction of passed attempts in the last batch"),
+            ("frac_masked_tokens", "Fraction of tokens masked by the corrections, last step"),
+            ("mismatch_kl_k3", "k3 KL(sampler || trainer) per token, last step"),
+            ("tokens_per_s", "Generated tokens trained per second, last step"),
+            ("delta_ratio", "bf16 bytes / delta bytes of the last published version"),
+            ("delta_density", "Fraction of bf16 weights changed by the last version"),
+        )}
+
+    def group(self, outcome: str) -> None:
+        self.mx.counter("trainer_groups_total", "Rollout groups by outcome", {"outcome": outcome}).inc()
+
+    def observe(self, m: StepMetrics) -> None:
+        for name, g in self.gauges.items():
+            g.set(getattr(m, name))
+        for key, kl in m.mismatch_kl_by_sampler.items():
+            self.mx.gauge("trainer_mismatch_kl_by_sampler", "k3 mismatch KL per backend/dtype, last step",
+                          {"sampler": key}).set(kl)
+        self.mx.counter("trainer_steps_total", "Train steps by result",
+                        {"result": "skipped" if m.skipped else "trained"}).inc()
+
+
+async def run(cfg: TrainerConfig, ctx: ActorContext, *,
+              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """The trainer actor; see the module docstring."""
+    trainer = await trio.to_thread.run_sync(partial(Trainer, cfg, ctx.state_dir, ctx.run_id))
+    await trio.to_thread.run_sync(trainer.start, ctx.restored)
+    lock = trio.Lock()
+    metrics = _Metrics(ctx)
+    try:
+        rejects = ctx.sender(cfg.stale_reports_to) if cfg.stale_reports_to else None
+    except KeyError:
+        raise ValueError(f"TrainerConfig.stale_reports_to = {cfg.stale_reports_to!r} names no "
+                         "configured actor") from None
+
+    async def hook() -> bytes:
+        async with lock:
+            return await trio.to_thread.run_sync(trainer.snapshot)
+
+    ctx.on_checkpoint(hook)
+    ctx.mount("/weights", blob_app(trainer.store))
+    ctx.report_version("version", trainer.version)
+    ctx.report_version("step", trainer.step)
+    metrics.version.set(trainer.version)
+    metrics.step.set(trainer.step)
+    ctx.log.info("trainer started", version=trainer.version, step=trainer.step,
+                 resumed_from=trainer.resumed_from, queued=len(trainer.buffer))
+    task_status.started()
+
+    def report(rej: StaleGroup) -> None:
+        metrics.group(rej.reason)
+        ctx.log.info("group rejected as stale", group_id=rej.group_id, task_id=rej.task_id,
+                     staleness=rej.staleness, max_staleness=rej.max_staleness, reason=rej.reason)
+        if rejects is not None:
+            try:
+                rejects.send_nowait(rej)
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                metrics.group("stale_report_undelivered")
+                ctx.log.warning("stale-group report not delivered", group_id=rej.group_id,
+                                to=cfg.stale_reports_to)
+
+    def offer(group: RolloutGroup) -> None:
+        trainer.task_cursor += 1
+        try:
+            check_group(group, trainer.vocab_size)
+            outcome = trainer.buffer.offer(group, trainer.version)
+        except (BadBatch, BadGroup) as exc:
+            metrics.group("malformed")
+            ctx.log.warning("malformed rollout group refused", group_id=group.group_id, error=str(exc))
+            return
+        if isinstance(outcome, Admitted):
+            metrics.group("admitted")
+            metrics.staleness.observe(outcome.staleness)
+        elif isinstance(outcome, StaleGroup):
+            report(outcome)
+        elif isinstance(outcome, ZeroVariance):
+            metrics.group("zero_variance")
+        elif isinstance(outcome, Duplicate):
+            metrics.group("duplicate")
+            ctx.log.info("duplicate rollout group refused", group_id=group.group_id,
+                         already_trained=outcome.trained)
+        metrics.queued.set(len(trainer.buffer))
+
+    async def train_ready() -> None:
+        while trainer.ready():
+            await ctx.wait_unpaused()
+            async with lock:
+                m, expired = await trio.to_thread.run_sync(trainer.take_and_train)
+            for rej in expired:
+                report(rej)
+            if m is None:
+                break
+            metrics.observe(m)
+            metrics.version.set(trainer.version)
+            metrics.step.set(trainer.step)
+            metrics.queued.set(len(trainer.buffer))
+            ctx.report_version("version", trainer.version)
+            ctx.report_version("step", trainer.step)
+            ctx.log.info("train step", step=m.step, version=m.version, loss=m.loss,
+                         reward_mean=m.reward_mean, skipped=m.skipped)
+
+    try:
+        while True:
+            await train_ready()
+            if not trainer.buffer.has_room:
+                # only when max_steps is reached: hold the inbox (backpressure) until drained
+                await ctx.wait_draining()
+                break
+            try:
+                msg = await ctx.inbox.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            if isinstance(msg, RolloutGroup):
+                async with lock:
+                    offer(msg)
+            elif isinstance(msg, RolloutFailed):
+                metrics.group("attempt_failed")
+            else:
+                metrics.group("ignored")
+                ctx.log.warning("trainer ignored a message it does not handle", type=type(msg).__name__)
+    finally:
+        with trio.CancelScope(shield=True):
+            async with lock:
+                await trio.to_thread.run_sync(trainer.write_checkpoint)
+        if rejects is not None:
+            rejects.close()
+        ctx.log.info("trainer stopped", version=trainer.version, step=trainer.step,
+                     queued=len(trainer.buffer))

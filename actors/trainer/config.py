@@ -1,0 +1,126 @@
+"""TrainerConfig: everything the trainer actor reads from the daemon's TOML config.
+
+Frozen msgspec Structs. Decoded from TOML, bounds are enforced by msgspec (errors name
+the field); constructed directly, `__post_init__` checks the same bounds and raises
+ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+
+from fleetrl.actors.buffer import BufferConfig
+from fleetrl.grpo import CorrectionConfig
+
+__all__ = ["AdvantageConfig", "TrainerConfig"]
+
+PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+def _num(owner: str, name: str, value: object, *, low: float, high: float = math.inf,
+         low_open: bool = False, integer: bool = False) -> None:
+    """Raise ValueError naming ``owner.name`` unless ``value`` is in the bounds."""
+    ok_type = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok_type):
+        kind = "an int" if integer else "a number"
+        raise ValueError(f"{owner}.{name} must be {kind}, got {value!r}")
+    if math.isnan(value) or value > high or value < low or (low_open and value == low):
+        lo = "(" if low_open else "["
+        raise ValueError(f"{owner}.{name} must be in {lo}{low}, {high}], got {value!r}")
+
+
+class AdvantageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How group rewards become advantages (`fleetrl.grpo.group_advantages`)."""
+
+    std_normalize: bool = False
+    """Divide by the group's reward std (GRPO as published); False = mean-only (Dr. GRPO)."""
+    leave_one_out: bool = False
+    """Baseline each attempt with the mean of the *other* attempts (RLOO)."""
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The trainer actor (`fleetrl.actors.trainer:run`)."""
+
+    model_dir: str
+    """Saved Llama directory (config.json + safetensors) holding the starting weights."""
+    lr: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 2e-4
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2), each in [0, 1)."""
+    eps: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1e-8
+    """AdamW epsilon."""
+    weight_decay: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    """Clip the global gradient L2 norm to this (inf: no clipping)."""
+    groups_per_step: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 8
+    """Rollout groups (tasks) per optimizer step, B."""
+    max_staleness: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 2
+    """Largest trainer version minus the oldest token version of an admitted group."""
+    buffer_capacity: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 256
+    """Most groups the rollout buffer holds; must be >= groups_per_step."""
+    skip_zero_variance: bool = True
+    """Skip and count groups whose rewards are all equal."""
+    checkpoint_every: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10
+    """Write the trainer's own checkpoint file every this many steps (and on drain)."""
+    corrections: CorrectionConfig = CorrectionConfig()
+    """Off-policy corrections of the policy loss (docs/corrections.md)."""
+    advantage: AdvantageConfig = AdvantageConfig()
+    """How rewards become advantages."""
+    temperature: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] = 1.0
+    """The samplers' temperature: logits are divided by it before the loss."""
+    pass_threshold: float = 1.0
+    """A trajectory with reward >= this counts as passed (the pass-rate metric)."""
+    publish_window: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 8
+    """Versions a follower may lag and still get one combined delta."""
+    anchor_every: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 32
+    """A full anchor every this many versions."""
+    max_steps: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """Stop training after this many steps (None: until drained); groups keep queueing."""
+    device: str = "cpu"
+    """torch device of the fp32 master model and the step ("cpu", "cuda", "cuda:1")."""
+    seed: int = 0
+    """Seed of torch's RNG at the first start (restored from the checkpoint afterwards)."""
+    stale_reports_to: str | None = None
+    """Actor that receives `StaleGroup` rejections (the sampler pool), or None to only count them."""
+
+    def __post_init__(self) -> None:
+        o = "TrainerConfig"
+        if not isinstance(self.model_dir, str) or not self.model_dir:
+            raise ValueError(f"{o}.model_dir must be a non-empty path, got {self.model_dir!r}")
+        _num(o, "lr", self.lr, low=0.0, high=1.0, low_open=True)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise ValueError(f"{o}.betas must be a (beta1, beta2) pair, got {self.betas!r}")
+        for i, b in enumerate(self.betas):
+            _num(o, f"betas[{i}]", b, low=0.0, high=0.999999999)
+        _num(o, "eps", self.eps, low=0.0, high=1.0, low_open=True)
+        _num(o, "weight_decay", self.weight_decay, low=0.0, high=1.0)
+        _num(o, "grad_clip", self.grad_clip, low=0.0, low_open=True)
+        _num(o, "groups_per_step", self.groups_per_step, low=1, high=100_000, integer=True)
+        _num(o, "max_staleness", self.max_staleness, low=0, high=1_000_000, integer=True)
+        _num(o, "buffer_capacity", self.buffer_capacity, low=1, high=1_000_000, integer=True)
+        _num(o, "checkpoint_every", self.checkpoint_every, low=1, high=1_000_000, integer=True)
+        _num(o, "temperature", self.temperature, low=0.0, high=100.0, low_open=True)
+        _num(o, "pass_threshold", self.pass_threshold, low=-math.inf)
+        _num(o, "publish_window", self.publish_window, low=1, high=10_000, integer=True)
+        _num(o, "anchor_every", self.anchor_every, low=1, high=1_000_000, integer=True)
+        if self.max_steps is not None:
+            _num(o, "max_steps", self.max_steps, low=0, integer=True)
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"{o}.device must be a torch device string, got {self.device!r}")
+        if self.buffer_capacity < self.groups_per_step:
+            raise ValueError(f"{o}.buffer_capacity ({self.buffer_capacity}) must be >= "
+                             f"groups_per_step ({self.groups_per_step})")
+        if not isinstance(self.corrections, CorrectionConfig):
+            raise ValueError(f"{o}.corrections must be a CorrectionConfig")
+
+    @property
+    def buffer(self) -> BufferConfig:
+        """The rollout buffer's part of this config."""
+        return BufferConfig(max_staleness=self.max_staleness, capacity=self.buffer_capacity,
+                            skip_zero_variance=self.skip_zero_variance)

@@ -1,0 +1,143 @@
+"""The trainer's state and its blocking operations (run in a worker thread by the actor).
+
+`Trainer` owns the fp32 master model, AdamW, the rollout buffer, the weight publisher
+and the metrics file. Every method is synchronous; the actor serialises them with one
+lock, so a checkpoint never sees a half-done step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from fleetrl.actors.buffer import RolloutBuffer, StaleGroup
+from fleetrl.actors.model import load_master_weights
+from fleetrl.actors.weights import BlobNotFound, LocalDirStore, Publisher, PublisherConfig, StoreSource
+from fleetrl.daemon.checkpoint import CheckpointStore
+from fleetrl.daemon.messages import RolloutGroup
+
+from . import checkpoint as ck
+from .batch import build_batch
+from .config import TrainerConfig
+from .step import StepMetrics, build_optimizer, master_bf16, train_step
+
+__all__ = ["Trainer"]
+
+LOCAL_CKPT_KEY = "trainer"
+
+
+class Trainer:
+    """Model + optimizer + buffer + publisher of one trainer incarnation."""
+
+    def __init__(self, cfg: TrainerConfig, state_dir: Path, run_id: str) -> None:
+        self.cfg = cfg
+        self.state_dir = Path(state_dir)
+        self.run_id = run_id
+        try:
+            device = torch.device(cfg.device)
+        except RuntimeError as exc:
+            raise ValueError(f"TrainerConfig.device {cfg.device!r} is not a torch device: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"TrainerConfig.device is {cfg.device!r} but CUDA is not available")
+        self.model = load_master_weights(cfg.model_dir).to(device)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.optimizer = build_optimizer(self.model, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                         weight_decay=cfg.weight_decay)
+        self.buffer = RolloutBuffer(cfg.buffer)
+        self.store = LocalDirStore(self.state_dir / "weights")
+        self.publisher = Publisher(self.store, PublisherConfig(run=run_id, window=cfg.publish_window,
+                                                               anchor_every=cfg.anchor_every))
+        self.local = CheckpointStore(self.state_dir / "checkpoints", keep=2)
+        self.metrics_path = self.state_dir / "metrics.jsonl"
+        self.step = 0
+        self.version = -1
+        self.task_cursor = 0
+        self.resumed_from: str = "fresh"
+        self._applied = False
+
+    # -- start ------------------------------------------------------------------------
+    def start(self, restored: Any) -> None:
+        """Restore the newest state (the daemon's checkpoint value ``restored`` or the
+        trainer's own file) and publish the current weights as the next version."""
+        candidates: list[tuple[tuple[int, int], str, ck.TrainerCheckpoint]] = []
+        if restored is not None:
+            c = ck.decode(restored if isinstance(restored, bytes) else msgspec.convert(restored, ck.TrainerCheckpoint))
+            candidates.append(((c.step, c.task_cursor), "daemon checkpoint", c))
+        local, _problems = self.local.load_latest()
+        if local is not None and LOCAL_CKPT_KEY in local.actors:
+            c = ck.decode(local.actors[LOCAL_CKPT_KEY])
+            candidates.append(((c.step, c.task_cursor), "trainer checkpoint", c))
+        if candidates:
+            _, where, best = max(candidates, key=lambda x: x[0])
+            ck.restore(best, self.model, self.optimizer, self.buffer)
+            self.step, self.task_cursor, self.resumed_from = best.step, best.task_cursor, where
+        else:
+            torch.manual_seed(self.cfg.seed)
+        # continue the version sequence of whatever this state dir already published
+        try:
+            last = StoreSource(self.store).manifest().version
+        except BlobNotFound:
+            last = None
+        if last is not None:
+            self.publisher.version = last
+            self.publisher._resync = True  # no shadow of `last` here: publish a full anchor
+        vm = self.publisher.publish(master_bf16(self.model))
+        self.version = vm.version
+
+    # -- training ---------------------------------------------------------------------
+    def ready(self) -> bool:
+        return len(self.buffer) >= self.cfg.groups_per_step and not self.done
+
+    @property
+    def done(self) -> bool:
+        return self.cfg.max_steps is not None and self.step >= self.cfg.max_steps
+
+    def take_and_train(self) -> tuple[StepMetrics | None, list[StaleGroup]]:
+        """Take a batch from the buffer and train on it, as one unit: if the step fails
+        before the weights change, the groups go back into the buffer (nothing lost)."""
+        batch, expired = self.buffer.take(self.cfg.groups_per_step, self.version)
+        if not batch:
+            return None, expired
+        self._applied = False
+        try:
+            return self.train(batch), expired
+        except BaseException:
+            if not self._applied:
+                self.buffer.put_back(batch)
+            raise
+
+    def train(self, groups: Sequence[RolloutGroup]) -> StepMetrics:
+        """One step on ``groups`` (already taken from the buffer); publish; log; checkpoint."""
+        batch = build_batch(groups, self.cfg.advantage)
+        m = train_step(self.model, self.optimizer, batch, corrections=self.cfg.corrections,
+                       temperature=self.cfg.temperature, grad_clip=self.cfg.grad_clip,
+                       pass_threshold=self.cfg.pass_threshold, step=self.step,
+                       trainer_version=self.version)
+        if m.skipped:
+            m = msgspec.structs.replace(m, version=self.version)
+        else:
+            self._applied = True
+            self.step = m.step
+            vm = self.publisher.publish(master_bf16(self.model))
+            self.version = vm.version
+            m = msgspec.structs.replace(m, version=vm.version, delta_ratio=vm.ratio_vs_bf16,
+                                        delta_density=vm.changed_fraction, delta_bytes=vm.delta_bytes,
+                                        publish_s=vm.publish_s)
+        with self.metrics_path.open("ab") as fh:
+            fh.write(msgspec.json.encode(m) + b"\n")
+        if not m.skipped and self.step % self.cfg.checkpoint_every == 0:
+            self.write_checkpoint()
+        return m
+
+    # -- checkpoints ------------------------------------------------------------------
+    def snapshot(self) -> bytes:
+        return ck.encode(ck.capture(self.model, self.optimizer, self.buffer, step=self.step,
+                                    version=self.version, task_cursor=self.task_cursor))
+
+    def write_checkpoint(self) -> None:
+        """Write the trainer's own atomic checkpoint (temp file, fsync, rename)."""
+        self.local.write(self.run_id, {LOCAL_CKPT_KEY: self.snapshot()})

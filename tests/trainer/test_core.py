@@ -1,0 +1,56 @@
+"""`Trainer` (the actor's blocking core): failed steps lose nothing, versions continue
+across restarts of the same state directory, a bad device is named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleetrl.actors.model import BOS_ID
+from fleetrl.actors.trainer import Trainer, TrainerConfig
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+class FailingTrainer(Trainer):
+    """A trainer whose step fails before the weights change (e.g. an out-of-memory)."""
+
+    def train(self, groups):
+        raise _Boom("step failed")
+
+
+def test_failed_step_puts_the_batch_back(model_dir, groups, tmp_path):
+    cfg = TrainerConfig(model_dir=model_dir, groups_per_step=2)
+    t = FailingTrainer(cfg, tmp_path, "run-1")
+    t.start(None)
+    for i in range(3):
+        t.buffer.offer(groups.versioned(f"g{i}", 0), t.version)
+    with pytest.raises(_Boom):
+        t.take_and_train()
+    assert t.buffer.queued_ids == ("g0", "g1", "g2") and not t.buffer.was_trained("g0")
+    assert t.buffer.counters.trained == 0 and t.step == 0
+
+
+def test_versions_continue_in_the_same_state_dir(model_dir, groups, tmp_path):
+    cfg = TrainerConfig(model_dir=model_dir, groups_per_step=1, lr=1e-2, checkpoint_every=100)
+    t = Trainer(cfg, tmp_path, "run-1")
+    t.start(None)
+    assert t.version == 0
+    t.buffer.offer(groups.sampled(model_dir, "a", [BOS_ID, *b"hi"], [1.0, 0.0], seed=3), t.version)
+    m, _ = t.take_and_train()
+    assert (m.step, m.version, t.version) == (1, 1, 1)
+    # a restart from the *initial* state (no checkpoint written: checkpoint_every=100)
+    t2 = Trainer(cfg, tmp_path, "run-1")
+    t2.start(None)
+    assert t2.step == 0 and t2.version == 2  # never reuses version 1 for other weights
+
+
+def test_bad_device_is_named(model_dir, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")  # the error path needs a machine without it
+    with pytest.raises(ValueError, match="TrainerConfig.device is 'cuda' but CUDA is not available"):
+        Trainer(TrainerConfig(model_dir=model_dir, device="cuda"), tmp_path, "r")
+    with pytest.raises(ValueError, match="TrainerConfig.device 'warp-drive' is not a torch device"):
+        Trainer(TrainerConfig(model_dir=model_dir, device="warp-drive"), tmp_path, "r")
