@@ -1,0 +1,27 @@
+"""fleetrl.actors.envworker: environment workers (tasks -> attempts in sandboxes -> rollout groups).
+
+Pure logic: `policy` (failure kinds, retry bounds), `group` (G attempts -> one group or
+typed failures), `cursor` (checkpointed task position). I/O around it: `sources` (task
+sources), `model` (model clients: a local torch backend, or the sampler pool),
+`worker` (the actor ``run``). docs/envworkers.md is the guide.
+"""
+
+from .config import (
+    EnvWorkerConfig,
+    HumanEvalTasks,
+    JsonlTasks,
+    LocalModel,
+    PoolModel,
+    SandboxSettings,
+    SyntheticTasks,
+)
+from .cursor import CursorState, TaskCursor
+from .group import AttemptTicket, GroupResult, GroupStateError, GroupTracker
+from .model import LocalModelClient, PoolModelClient, to_wire_generation
+from .policy import DEFAULT_MAX_TRIES, FAILURE_KINDS, RetryPolicy
+from .worker import load_harness, run, sandbox_limits
+
+__all__ = ["DEFAULT_MAX_TRIES", "FAILURE_KINDS", "AttemptTicket", "CursorState", "EnvWorkerConfig",
+           "GroupResult", "GroupStateError", "GroupTracker", "HumanEvalTasks", "JsonlTasks", "LocalModel",
+           "LocalModelClient", "PoolModel", "PoolModelClient", "RetryPolicy", "SandboxSettings",
+           "SyntheticTasks", "TaskCursor", "load_harness", "run", "sandbox_limits", "to_wire_generation"]

