@@ -1,0 +1,470 @@
+"""Run a company's own agent harness, unchanged, as an external command.
+
+`ExternalHarness` implements `protocol.Harness` for any program that speaks the OpenAI
+API (an agent CLI, mini-swe-agent, a script with the official client). For one attempt
+it:
+
+1. opens the attempt in the endpoint's `openai_api.AttemptRegistry` and gets the
+   per-attempt key;
+2. starts the command in its own session (process group) with ``OPENAI_BASE_URL`` (the
+   endpoint's ``.../v1``) and ``OPENAI_API_KEY`` (the key) in its environment, plus
+   ``FLEETRL_*`` variables naming the sandbox container, its user and work dir, and the
+   task (see `ENV_VARS`); its argv may hold the placeholders of `PLACEHOLDERS`;
+3. waits at most the wall-clock limit (``timeout_s``, else ``task.limits.timeout_s``);
+   on timeout, or when the caller is cancelled, the whole process tree is stopped
+   (SIGTERM to every process of the tree, then after ``kill_grace_s`` the tree is
+   frozen with SIGSTOP until no new process appears and killed with SIGKILL), and, on
+   timeout, every process of the sandbox user in the sandbox is killed so nothing the
+   harness started keeps changing the state the evaluator sees;
+4. closes the attempt and returns an `ExternalEpisode` (an `Episode`): one `Turn` per
+   recorded call, the `AttemptRecord`, the exit code and the tails of the output.
+
+The evaluator is the task's (`protocol.evaluate_in_sandbox`); `run_attempt` does
+prepare, run and evaluate in one call.
+
+The harness runs *beside* the sandbox: it never gets the sandbox's network (there is
+none) nor general access to ours beyond what the host gives the command; it acts in the
+sandbox through its own extension point (for mini-swe-agent, the environment class
+`fleetrl.harness.mswea_env.FleetrlSandboxEnvironment`, which runs each action with
+``docker exec`` as the sandbox user in the work dir). docs/external-harness.md is the
+user's guide.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import signal
+import string
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+
+import msgspec
+import trio
+
+from .model import ModelClient
+from .openai_api import AttemptRegistry
+from .protocol import Episode, FinalState, SandboxLike, Turn, evaluate_in_sandbox, prepare_sandbox
+from .recording import AttemptRecord
+from .tasks import Task
+
+__all__ = [
+    "ENV_VARS",
+    "PLACEHOLDERS",
+    "AttemptResult",
+    "ExternalCommand",
+    "ExternalEpisode",
+    "ExternalHarness",
+    "expand_argv",
+    "kill_process_tree",
+    "process_tree",
+    "read_parent_map",
+    "run_attempt",
+    "tail_bytes",
+]
+
+PLACEHOLDERS = ("prompt", "task_file", "prompt_file", "container", "user", "workdir", "base_url",
+                "model", "max_turns", "attempt_id", "task_id")
+"""Names an argv element may hold as ``{name}`` (``{{`` and ``}}`` are literal braces)."""
+
+ENV_VARS = {
+    "OPENAI_BASE_URL": "the endpoint, ending in /v1",
+    "OPENAI_API_KEY": "the attempt's key (attribution: every call with it is recorded for this attempt)",
+    "OPENAI_API_BASE": "the same as OPENAI_BASE_URL (the name older clients and litellm read)",
+    "FLEETRL_MODEL": "the model name the endpoint serves",
+    "FLEETRL_ATTEMPT_ID": "the attempt's id",
+    "FLEETRL_TASK_ID": "the task's id",
+    "FLEETRL_TASK_FILE": "the task as JSON (the task format of docs/tasks.md)",
+    "FLEETRL_PROMPT_FILE": "the task's request as text (the prompt, or the messages' last user content)",
+    "FLEETRL_MAX_TURNS": "task.limits.max_turns",
+    "FLEETRL_SANDBOX_CONTAINER": "the sandbox's Docker container id (when the sandbox has one)",
+    "FLEETRL_SANDBOX_USER": "uid:gid to run commands as in the sandbox",
+    "FLEETRL_SANDBOX_WORKDIR": "the task's work dir in the sandbox",
+}
+"""The environment an external command gets (beside ``ExternalCommand.env`` and the
+variables it inherits, ``inherit_env``)."""
+
+
+class ExternalCommand(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to run an external harness.
+
+    ``argv``: the command (placeholders: `PLACEHOLDERS`). ``env``: extra environment
+    variables (they override the inherited ones, never the ``OPENAI_*``/``FLEETRL_*``
+    ones). ``inherit_env``: names of our own environment variables passed through
+    (nothing else of ours is: no credentials leak into the harness). ``cwd``: its
+    working directory (None: a fresh temporary directory, removed afterwards).
+    ``timeout_s``: wall-clock limit (None: ``task.limits.timeout_s``).
+    ``kill_grace_s``: time between SIGTERM and SIGKILL. ``output_cap_bytes``: bytes of
+    stdout and of stderr kept (the tail).
+    """
+
+    argv: tuple[str, ...]
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    inherit_env: tuple[str, ...] = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "DOCKER_HOST",
+                                    "VIRTUAL_ENV", "PYTHONPATH")
+    cwd: str | None = None
+    timeout_s: float | None = None
+    kill_grace_s: float = 2.0
+    output_cap_bytes: int = 64 << 10
+
+    def __post_init__(self) -> None:
+        if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0]:
+            raise ValueError(f"ExternalCommand.argv must be a non-empty list of strings, got {self.argv!r}")
+        for i, a in enumerate(self.argv):
+            if "\0" in a:
+                raise ValueError(f"ExternalCommand.argv[{i}] holds a NUL byte")
+            _check_placeholders(a, f"ExternalCommand.argv[{i}]")
+        for k, v in self.env.items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise ValueError(f"ExternalCommand.env[{k!r}]: names must be non-empty without '=' or NUL, "
+                                 "values without NUL")
+            if k in ENV_VARS:
+                raise ValueError(f"ExternalCommand.env[{k!r}]: set by the harness for each attempt")
+        if self.timeout_s is not None and not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"ExternalCommand.timeout_s must be a positive number of seconds, got {self.timeout_s}")
+        if not (math.isfinite(self.kill_grace_s) and self.kill_grace_s >= 0):
+            raise ValueError(f"ExternalCommand.kill_grace_s must be >= 0 seconds, got {self.kill_grace_s}")
+        if self.output_cap_bytes < 0:
+            raise ValueError(f"ExternalCommand.output_cap_bytes must be >= 0, got {self.output_cap_bytes}")
+
+
+class ExternalEpisode(Episode, frozen=True, kw_only=True):
+    """An `Episode` of an external command: ``exit_code`` (None when it was killed),
+    ``timed_out``, ``killed_pids`` (every process of its tree that was signalled), and
+    the tails of its stdout and stderr."""
+
+    exit_code: int | None = None
+    timed_out: bool = False
+    killed_pids: tuple[int, ...] = ()
+    stdout_tail: bytes = b""
+    stderr_tail: bytes = b""
+    duration_s: float = 0.0
+
+
+class AttemptResult(msgspec.Struct, frozen=True, kw_only=True):
+    """An attempt run by `run_attempt`: the episode and the evaluator's verdict."""
+
+    episode: Episode
+    reward: float
+    eval_exit_code: int
+    eval_stdout: str
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def _check_placeholders(text: str, where: str) -> None:
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as err:
+        raise ValueError(f"{where}: bad placeholder syntax in {text!r}: {err} (write {{{{ and }}}} for braces)") from None
+    for _, name, spec, conv in parsed:
+        if name is None:
+            continue
+        if name not in PLACEHOLDERS or spec or conv:
+            raise ValueError(f"{where}: unknown placeholder {{{name}}} in {text!r}; known: "
+                             + ", ".join("{" + p + "}" for p in PLACEHOLDERS))
+
+
+def expand_argv(argv: Sequence[str], values: Mapping[str, str]) -> list[str]:
+    """``argv`` with each ``{name}`` replaced by ``values[name]`` (one argv element stays
+    one element, whatever the value holds: no shell is involved)."""
+    out = []
+    for i, a in enumerate(argv):
+        _check_placeholders(a, f"argv[{i}]")
+        out.append(a.format_map(values))
+    return out
+
+
+def tail_bytes(buf: bytearray, data: bytes, cap: int) -> None:
+    """Append ``data`` to ``buf`` keeping only its last ``cap`` bytes."""
+    buf += data
+    if len(buf) > cap:
+        del buf[: len(buf) - cap]
+
+
+def process_tree(parents: Mapping[int, int], root: int) -> list[int]:
+    """``root`` and every descendant of it in the ``pid -> parent pid`` map, parents first."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo, seen = [], [root], set()
+    while todo:
+        pid = todo.pop(0)
+        if pid in seen:
+            continue
+        seen.add(pid)
+        out.append(pid)
+        todo.extend(sorted(children.get(pid, ())))
+    return out
+
+
+def read_parent_map(proc: str = "/proc") -> dict[int, int]:
+    """``pid -> parent pid`` of every live process (zombies excluded), from ``/proc``."""
+    out = {}
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # it exited meanwhile
+        # the command name is parenthesised and may hold anything: split after the last ')'
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) < 2 or fields[0] == b"Z":
+            continue
+        out[int(name)] = int(fields[1])
+    return out
+
+
+def _prompt_text(task: Task) -> str:
+    if task.prompt is not None:
+        return task.prompt
+    assert task.messages is not None
+    users = [m.content for m in task.messages if m.role == "user"]
+    return users[-1] if users else task.messages[-1].content
+
+
+# --------------------------------------------------------------------------- process tree
+
+
+def _signal_all(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+async def kill_process_tree(root: int | None, pgid: int | None, *, grace_s: float,
+                            known: Iterable[int] = ()) -> list[int]:
+    """Stop ``root``, its process group ``pgid`` and all their descendants, including
+    those that left the group (``setsid``): SIGTERM, ``grace_s`` seconds to exit, then
+    SIGSTOP until no new process appears (a fork cannot outrun a frozen parent), then
+    SIGKILL. Returns every pid that was signalled. Runs shielded (it is cleanup).
+
+    ``root`` must not have been reaped yet (a reaped pid may be reused by another
+    process); pass None once it has been, and the group alone is followed (a group id
+    is not reused while a member lives)."""
+    signalled: set[int] = set(known)
+
+    def tree() -> set[int]:
+        parents = read_parent_map()
+        pids = set(process_tree(parents, root)) if root is not None and root in parents else set()
+        for p in list(signalled):
+            if p in parents:
+                pids.update(process_tree(parents, p))
+        if pgid is not None:
+            for p in list(parents):
+                try:
+                    if os.getpgid(p) == pgid:
+                        pids.update(process_tree(parents, p))
+                except (ProcessLookupError, PermissionError):
+                    pass
+        pids.discard(os.getpid())
+        return pids
+
+    with trio.CancelScope(shield=True):
+        pids = tree()
+        signalled |= pids
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        _signal_all(pids, signal.SIGTERM)
+        deadline = trio.current_time() + grace_s
+        while grace_s > 0 and trio.current_time() < deadline:
+            if not tree():
+                break
+            await trio.sleep(0.05)
+        for _ in range(100):  # freeze until the tree stops growing, then kill it
+            pids = tree()
+            if not pids:
+                break
+            signalled |= pids
+            _signal_all(pids, signal.SIGSTOP)
+            if tree() <= pids:
+                _signal_all(pids, signal.SIGKILL)
+                _signal_all(pids, signal.SIGCONT)
+                await trio.sleep(0.01)
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return sorted(signalled)
+
+
+# the sandbox side of a timeout: kill every process of the sandbox user except this shell
+_QUIESCE = ('for d in /proc/[0-9]*; do p=${d#/proc/}; [ "$p" = 1 ] || [ "$p" = $$ ] || '
+            'kill -9 "$p" 2>/dev/null; done; exit 0')
+
+
+# --------------------------------------------------------------------------- the harness
+
+
+class ExternalHarness:
+    """An external command as a `protocol.Harness` (see the module docstring).
+
+    ``registry`` and ``base_url`` are the endpoint's (``base_url`` like
+    ``http://127.0.0.1:8000``; ``/v1`` is added). The ``model`` handed to ``run`` is not
+    called here: the command's calls reach the model through the endpoint, which must
+    be serving the same sampler pool.
+    """
+
+    def __init__(self, command: ExternalCommand, *, registry: AttemptRegistry, base_url: str,
+                 model_name: str = "fleetrl") -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"ExternalHarness: base_url {base_url!r} must be an http(s) URL")
+        self.command = command
+        self.registry = registry
+        base = base_url.rstrip("/")
+        self.base_url = base if base.endswith("/v1") else base + "/v1"
+        self.model_name = model_name
+
+    def _environment(self, task: Task, sandbox: SandboxLike, key: str, attempt_id: str, task_file: str,
+                     prompt_file: str) -> dict[str, str]:
+        env = {k: os.environ[k] for k in self.command.inherit_env if k in os.environ}
+        env.update(self.command.env)
+        container = getattr(sandbox, "id", None)
+        limits = getattr(sandbox, "limits", None)
+        env.update({
+            "OPENAI_BASE_URL": self.base_url,
+            "OPENAI_API_BASE": self.base_url,
+            "OPENAI_API_KEY": key,
+            "FLEETRL_MODEL": self.model_name,
+            "FLEETRL_ATTEMPT_ID": attempt_id,
+            "FLEETRL_TASK_ID": task.id,
+            "FLEETRL_TASK_FILE": task_file,
+            "FLEETRL_PROMPT_FILE": prompt_file,
+            "FLEETRL_MAX_TURNS": str(task.limits.max_turns),
+            "FLEETRL_SANDBOX_USER": str(getattr(limits, "user", "1000:1000")),
+            "FLEETRL_SANDBOX_WORKDIR": task.workdir,
+        })
+        if isinstance(container, str) and container:
+            env["FLEETRL_SANDBOX_CONTAINER"] = container
+        return env
+
+    async def run(self, task: Task, sandbox: SandboxLike, model: ModelClient | None = None) -> ExternalEpisode:
+        """One attempt: the command against the endpoint, acting in ``sandbox``."""
+        attempt_id = f"{task.id}-{secrets.token_hex(6)}"
+        timeout = self.command.timeout_s if self.command.timeout_s is not None else task.limits.timeout_s
+        key = self.registry.open_attempt(attempt_id, task.id)
+        record: AttemptRecord | None = None
+        try:
+            with tempfile.TemporaryDirectory(prefix="fleetrl-external-") as tmp:
+                task_file = os.path.join(tmp, "task.json")
+                prompt_file = os.path.join(tmp, "prompt.txt")
+                with open(task_file, "wb") as f:
+                    f.write(msgspec.json.encode(task))
+                prompt = _prompt_text(task)
+                with open(prompt_file, "w", encoding="utf-8") as f:
+                    f.write(prompt)
+                env = self._environment(task, sandbox, key, attempt_id, task_file, prompt_file)
+                values = {
+                    "prompt": prompt, "task_file": task_file, "prompt_file": prompt_file,
+                    "container": env.get("FLEETRL_SANDBOX_CONTAINER", ""), "user": env["FLEETRL_SANDBOX_USER"],
+                    "workdir": task.workdir, "base_url": self.base_url, "model": self.model_name,
+                    "max_turns": str(task.limits.max_turns), "attempt_id": attempt_id, "task_id": task.id,
+                }
+                argv = expand_argv(self.command.argv, values)
+                cwd = self.command.cwd or tmp
+                outcome = await _run_command(argv, env=env, cwd=cwd, timeout_s=timeout,
+                                             grace_s=self.command.kill_grace_s, cap=self.command.output_cap_bytes)
+            if outcome.timed_out and getattr(sandbox, "id", None):
+                # what the harness started in the sandbox must not change the state the evaluator sees
+                await sandbox.exec(["/bin/sh", "-c", _QUIESCE], timeout=30)
+        finally:
+            record = self.registry.close_attempt(key)
+        turns = tuple(Turn(messages=tuple(c.messages or ()), call=c) for c in record.calls)
+        final: FinalState
+        error = None
+        if outcome.timed_out:
+            final, error = "timeout", f"the command ran past its limit of {timeout:g} s and was killed"
+        elif outcome.exit_code == 0:
+            final = "submitted"
+        else:
+            final = "error"
+            err = outcome.stderr.decode(errors="replace")[-500:]
+            error = f"the command {argv[0]!r} exited {outcome.exit_code}: {err}"
+        return ExternalEpisode(task_id=task.id, turns=turns, final_state=final, record=record, error=error,
+                               exit_code=outcome.exit_code, timed_out=outcome.timed_out,
+                               killed_pids=tuple(outcome.killed), stdout_tail=bytes(outcome.stdout),
+                               stderr_tail=bytes(outcome.stderr), duration_s=outcome.duration_s)
+
+
+class _Outcome(msgspec.Struct, kw_only=True):
+    exit_code: int | None = None
+    timed_out: bool = False
+    killed: list[int] = msgspec.field(default_factory=list)
+    stdout: bytearray = msgspec.field(default_factory=bytearray)
+    stderr: bytearray = msgspec.field(default_factory=bytearray)
+    duration_s: float = 0.0
+
+
+async def _run_command(argv: list[str], *, env: dict[str, str], cwd: str, timeout_s: float, grace_s: float,
+                       cap: int) -> _Outcome:
+    """Run ``argv`` in a new session; kill its tree on timeout or cancellation."""
+    out = _Outcome()
+    start = trio.current_time()
+    try:
+        proc = await trio.lowlevel.open_process(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                start_new_session=True)
+    except OSError as err:
+        raise ValueError(f"ExternalHarness: cannot start {argv[0]!r}: {err}") from err
+    assert proc.stdout is not None and proc.stderr is not None
+    drained = [trio.Event(), trio.Event()]
+
+    async def drain(stream: trio.abc.ReceiveStream, buf: bytearray, done: trio.Event) -> None:
+        try:
+            while data := await stream.receive_some(65536):
+                tail_bytes(buf, data, cap)
+        finally:
+            done.set()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain, proc.stdout, out.stdout, drained[0])
+            nursery.start_soon(drain, proc.stderr, out.stderr, drained[1])
+            with trio.move_on_after(timeout_s) as scope:
+                await proc.wait()
+            if scope.cancelled_caught:
+                out.timed_out = True
+                out.killed = await kill_process_tree(proc.pid, proc.pid, grace_s=grace_s)
+                with trio.CancelScope(shield=True):
+                    await proc.wait()
+            else:
+                out.exit_code = proc.returncode
+                # the command exited; whatever it left running in its session goes too
+                out.killed = await kill_process_tree(None, proc.pid, grace_s=0)
+            with trio.move_on_after(5):  # every writer is dead: the pipes reach EOF
+                for ev in drained:
+                    await ev.wait()
+            nursery.cancel_scope.cancel()
+    except BaseException:
+        if proc.returncode is None:
+            await kill_process_tree(proc.pid, proc.pid, grace_s=grace_s)
+            with trio.CancelScope(shield=True):
+                await proc.wait()
+        raise
+    finally:
+        with trio.CancelScope(shield=True):
+            await proc.stdout.aclose()
+            await proc.stderr.aclose()
+    out.duration_s = trio.current_time() - start
+    return out
+
+
+async def run_attempt(harness: object, task: Task, sandbox: SandboxLike, model: ModelClient | None = None, *,
+                      setup_timeout_s: float = 120.0) -> AttemptResult:
+    """Prepare ``sandbox`` for ``task``, run ``harness`` in it, and score it with the
+    task's evaluator (the environment worker's sequence, for one attempt)."""
+    await prepare_sandbox(task, sandbox, timeout_s=setup_timeout_s)
+    episode = await harness.run(task, sandbox, model)  # type: ignore[attr-defined]
+    reward, code, stdout = await evaluate_in_sandbox(task, sandbox)
+    return AttemptResult(episode=episode, reward=reward, eval_exit_code=code, eval_stdout=stdout)
