@@ -257,23 +257,21 @@ def build(
     def diff(c: int) -> tuple[int, np.ndarray | None, np.ndarray | None]:
         t, lo, hi = tensor_of[c], starts[c], stops[c]
         n = hi - lo
-        mask_buf = _scratch(width)
+        x_buf, mask_buf = _scratch(width)
         seg_new = new[t][lo:hi]
-        seg_old = None if old is None else old[t][lo:hi]
-        # a bool mask and its nonzero() are several times faster than nonzero() on uint16;
-        # gathering old and new at the changes and XOR-ing those is cheaper than XOR-ing
-        # the whole chunk first, even at 11% changed (measured)
-        if seg_old is None:
-            mask = np.not_equal(seg_new, 0, out=mask_buf[:n])
-        else:
-            mask = np.not_equal(seg_old, seg_new, out=mask_buf[:n])
+        # one XOR pass, a bool mask of it and the mask's nonzero(): nonzero() on a bool
+        # mask is several times faster than on uint16, and gathering the XOR words once
+        # beats gathering old and new and XOR-ing the gathers (15% less CPU at 1.7% and
+        # at 11% changed on the bench's data)
+        x = seg_new if old is None else np.bitwise_xor(old[t][lo:hi], seg_new, out=x_buf[:n])
+        mask = np.not_equal(x, 0, out=mask_buf[:n])
         k = int(np.count_nonzero(mask))
         if k == 0:
             return UNCHANGED, None, None
         if k > threshold * n:
-            return DENSE, (seg_new.copy() if seg_old is None else np.bitwise_xor(seg_old, seg_new)), None
+            return DENSE, x.copy(), None
         nz = np.flatnonzero(mask)
-        return SPARSE, nz, (seg_new[nz] if seg_old is None else np.bitwise_xor(seg_old[nz], seg_new[nz]))
+        return SPARSE, nz, x[nz]
 
     parts = parallel_map(diff, range(layout.n_chunks), threads)
     kinds = np.fromiter((p[0] for p in parts), dtype=np.uint8, count=len(parts))
@@ -300,13 +298,13 @@ def build(
 _local = threading.local()
 
 
-def _scratch(n: int) -> np.ndarray:
-    """This thread's reusable mask buffer of at least ``n`` elements (no page faults from
-    a fresh allocation per chunk)."""
-    buf = getattr(_local, "mask", None)
-    if buf is None or buf.size < n:
-        buf = _local.mask = np.empty(n, dtype=bool)
-    return buf
+def _scratch(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's reusable XOR and mask buffers of at least ``n`` elements (no page
+    faults from a fresh 2 MiB allocation per chunk)."""
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None or bufs[0].size < n:
+        bufs = _local.bufs = (np.empty(n, dtype=np.uint16), np.empty(n, dtype=bool))
+    return bufs
 
 
 def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
@@ -745,23 +743,21 @@ def _merge_xor(p1: np.ndarray, v1: np.ndarray, p2: np.ndarray, v2: np.ndarray) -
     """Merge two sorted, duplicate-free sparse lists, XOR-ing values at equal positions
     and dropping entries that cancel to 0.
 
-    Linear apart from one binary search per entry of the second list: each entry of
-    ``p2`` lands at ``searchsorted(p1, p2) + its rank``, ``p1``'s fill the other slots
-    (no sort). A position occurs at most twice, and its two entries end up adjacent.
+    A stable argsort of the two concatenated sorted runs is numpy's timsort, which finds
+    the two runs and merges them in linear time (measured faster than a searchsorted
+    placement). A position occurs at most twice and its entries end up adjacent, so the
+    XOR of equal positions is one pass over neighbours (no np.unique, which sorts again).
     """
-    n1, n2 = p1.size, p2.size
-    dst2 = np.searchsorted(p1, p2) + np.arange(n2)
-    from2 = np.zeros(n1 + n2, dtype=bool)
-    from2[dst2] = True
-    pos = np.empty(n1 + n2, dtype=np.int64)
-    val = np.empty(n1 + n2, dtype=np.uint16)
-    pos[dst2], val[dst2] = p2, v2
-    from1 = ~from2
-    pos[from1], val[from1] = p1, v1
+    pos = np.concatenate([p1, p2])
+    order = np.argsort(pos, kind="stable")
+    pos = pos[order]
+    val = np.concatenate([v1, v2])[order]
     dup = np.flatnonzero(pos[1:] == pos[:-1])  # first of each equal pair
     if dup.size:
         val[dup] ^= val[dup + 1]
         val[dup + 1] = 0  # the second of the pair is dropped with the cancelled entries
+    elif val.all():
+        return pos, val
     keep = val != 0
     return pos[keep], val[keep]
 
