@@ -1,0 +1,169 @@
+"""Sampler records: who is in the fleet, what it serves, what it costs (pure bookkeeping).
+
+One `SamplerRecord` per sampler (local or remote): identity (backend, device kind,
+dtype), price per hour, capacity, the weight version and digest it serves, requests
+assigned to it, health, and measurements: tokens generated, *busy* seconds (wall time
+with at least one request running, which is what a rented device is paid for while it
+works), mean request latency. From those: tokens/s and dollars per 1k generated tokens.
+The trainer reports the measured mismatch (k3 KL against its own log-probs) per
+(backend, device kind, dtype); the registry keeps the latest figure for each.
+
+Time is passed in (``now``), so the bookkeeping is testable without a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleetrl.daemon.messages import SamplerIdentity
+
+from .routing import SamplerView
+
+__all__ = ["Registry", "SamplerRecord", "UnknownSampler"]
+
+
+class UnknownSampler(KeyError):
+    """No sampler of that id is registered."""
+
+
+@dataclass
+class SamplerRecord:
+    identity: SamplerIdentity
+    price_per_hour: float
+    capacity: int
+    remote: bool
+    version: int = 0
+    digest: str = ""
+    alive: bool = True
+    assigned: int = 0
+    running: int = 0
+    last_seen: float = 0.0
+    tokens: int = 0
+    requests: int = 0
+    failures: int = 0
+    busy_s: float = 0.0
+    latency_total_s: float = 0.0
+    _busy_since: float | None = field(default=None, repr=False)
+
+    @property
+    def sampler_id(self) -> str:
+        return self.identity.sampler_id
+
+    @property
+    def mismatch_key(self) -> tuple[str, str, str]:
+        return (self.identity.backend, self.identity.device_kind, self.identity.dtype)
+
+    def tokens_per_s(self, now: float | None) -> float | None:
+        busy = self.busy_total(now)
+        return self.tokens / busy if self.tokens and busy > 0 else None
+
+    def busy_total(self, now: float | None) -> float:
+        """Busy seconds so far (`now` None: up to the last finished request)."""
+        running = now - self._busy_since if now is not None and self._busy_since is not None else 0.0
+        return self.busy_s + running
+
+    def usd_per_token(self, now: float | None) -> float | None:
+        """Price of the busy time divided by the tokens generated in it."""
+        if not self.tokens:
+            return None
+        return self.price_per_hour / 3600.0 * self.busy_total(now) / self.tokens
+
+    def usd_per_1k_tokens(self, now: float | None) -> float | None:
+        cost = self.usd_per_token(now)
+        return None if cost is None else cost * 1000.0
+
+    def latency_s(self) -> float | None:
+        return self.latency_total_s / self.requests if self.requests else None
+
+
+class Registry:
+    """The fleet's records, keyed by sampler id."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, SamplerRecord] = {}
+        self.mismatch_kl: dict[tuple[str, str, str], float] = {}
+
+    def add(self, identity: SamplerIdentity, *, price_per_hour: float, capacity: int, remote: bool,
+            version: int = 0, digest: str = "", now: float = 0.0) -> SamplerRecord:
+        """Register (or re-register, e.g. a restarted local sampler) a sampler."""
+        if price_per_hour < 0:
+            raise ValueError(f"sampler {identity.sampler_id!r}: price_per_hour must be >= 0, got {price_per_hour}")
+        if capacity < 1:
+            raise ValueError(f"sampler {identity.sampler_id!r}: capacity must be >= 1, got {capacity}")
+        rec = SamplerRecord(identity=identity, price_per_hour=price_per_hour, capacity=capacity,
+                            remote=remote, version=version, digest=digest, last_seen=now)
+        self._records[identity.sampler_id] = rec
+        return rec
+
+    def get(self, sampler_id: str) -> SamplerRecord:
+        try:
+            return self._records[sampler_id]
+        except KeyError:
+            raise UnknownSampler(sampler_id) from None
+
+    def remove(self, sampler_id: str) -> None:
+        self._records.pop(sampler_id, None)
+
+    def __contains__(self, sampler_id: str) -> bool:
+        return sampler_id in self._records
+
+    def records(self) -> list[SamplerRecord]:
+        return list(self._records.values())
+
+    def mark_dead(self, sampler_id: str) -> None:
+        if sampler_id in self._records:
+            self._records[sampler_id].alive = False
+
+    def set_version(self, sampler_id: str, version: int, digest: str, now: float) -> None:
+        rec = self.get(sampler_id)
+        rec.version, rec.digest, rec.last_seen = version, digest, now
+
+    def seen(self, sampler_id: str, now: float) -> None:
+        self.get(sampler_id).last_seen = now
+
+    # -- request accounting ---------------------------------------------------------
+    def assign(self, sampler_id: str) -> None:
+        self.get(sampler_id).assigned += 1
+
+    def started(self, sampler_id: str, now: float) -> None:
+        rec = self.get(sampler_id)
+        if rec.running == 0:
+            rec._busy_since = now
+        rec.running += 1
+
+    def ended(self, sampler_id: str, now: float, *, ran: bool, tokens: int = 0,
+              latency_s: float | None = None, failed: bool = False) -> None:
+        """A request assigned to the sampler is over (`ran`: it had been started)."""
+        rec = self._records.get(sampler_id)
+        if rec is None:
+            return
+        rec.assigned -= 1
+        if ran:
+            rec.running -= 1
+            if rec.running == 0 and rec._busy_since is not None:
+                rec.busy_s += now - rec._busy_since
+                rec._busy_since = None
+        if failed:
+            rec.failures += 1
+        elif latency_s is not None:
+            rec.tokens += tokens
+            rec.requests += 1
+            rec.latency_total_s += latency_s
+            rec.last_seen = now
+
+    def report_mismatch(self, backend: str, device_kind: str, dtype: str, kl: float) -> None:
+        """The trainer's measured k3 KL between this kind of sampler and itself."""
+        if not kl >= 0:
+            raise ValueError(f"mismatch KL must be >= 0, got {kl} for ({backend}, {device_kind}, {dtype})")
+        self.mismatch_kl[(backend, device_kind, dtype)] = kl
+
+    # -- routing snapshot -------------------------------------------------------------
+    def views(self, now: float) -> list[SamplerView]:
+        return [SamplerView(sampler_id=r.sampler_id, alive=r.alive, version=r.version,
+                            assigned=r.assigned, capacity=r.capacity,
+                            usd_per_token=r.usd_per_token(now), latency_s=r.latency_s())
+                for r in self._records.values()]
+
+    def oldest_live_version(self) -> int | None:
+        live = [r.version for r in self._records.values() if r.alive]
+        return min(live) if live else None

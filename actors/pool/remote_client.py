@@ -1,0 +1,273 @@
+"""A remote sampler: a backend in another process or host that joins the daemon's pool.
+
+`run_remote` connects to the join endpoint (actors/pool/remote_server.py describes the
+conversation), sends `Join`, and on `Welcome` catches up with the trainer's weights
+(when a delta store URL is given: actors/weights' `HttpBlobSource` + `Follower`), reports
+`SamplerStatus`, then serves `GenerateRequest`s with its backend in worker threads (at
+most ``capacity`` at once) and follows every `WeightVersionAvailable`. Heartbeats go out
+every ``heartbeat_s``; a daemon silent for ``5 x heartbeat_s`` counts as lost.
+
+A lost connection is retried with exponential backoff (``backoff_base_s`` doubling up to
+``backoff_max_s``, reset after a connection that served); a `Refused` join (for example
+a wrong token) is not retried: `run_remote` raises `JoinRefused`.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+from urllib.parse import urlencode, urlsplit
+
+import msgspec
+import trio
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, wrap_client_stream
+
+from fleetrl.daemon import messages as m
+from fleetrl.daemon.errors import BadMessage
+from fleetrl.daemon.protocol import Rejected
+
+from .local import WeightSync, identity_of, run_generate
+
+__all__ = ["JoinRefused", "RemoteClientConfig", "build_backend", "connect", "run_remote", "serve_once"]
+
+
+@asynccontextmanager
+async def connect(url: str, *, connect_timeout_s: float = 30.0) -> AsyncIterator[WebSocketConnection]:
+    """A client WebSocket to `url` (ws:// or wss://) whose TCP stream is always closed on exit.
+
+    trio-websocket's `open_websocket_url` leaves the socket open when the *server* closes
+    the connection (its client waits for a TCP close it then never performs), which would
+    leak one descriptor per reconnect; owning the stream here avoids that.
+    """
+    parts = urlsplit(url)
+    secure = parts.scheme == "wss"
+    port = parts.port or (443 if secure else 80)
+    resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    with trio.fail_after(connect_timeout_s):
+        if secure:
+            stream: trio.abc.Stream = await trio.open_ssl_over_tcp_stream(
+                parts.hostname, port, ssl_context=ssl.create_default_context())
+        else:
+            stream = await trio.open_tcp_stream(parts.hostname, port)
+    body_error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:  # runs the reader task only
+            with trio.fail_after(connect_timeout_s):
+                ws = await wrap_client_stream(nursery, stream, parts.hostname, resource)
+            try:
+                yield ws
+            except BaseException as exc:  # re-raised below, not wrapped in a group
+                body_error = exc
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    await ws.aclose()
+                await stream.aclose()
+                nursery.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+    if body_error is not None:
+        raise body_error
+
+
+class JoinRefused(Exception):
+    """The daemon refused to let this sampler join (the reason is the message)."""
+
+
+class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    join_url: str
+    """``ws://host:port/fleet/join`` (``wss://`` behind a TLS proxy)."""
+    token: str
+    backend: Literal["torch", "vllm"] = "torch"
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "bf16"
+    model_dir: str = ""
+    device: str = "cpu"
+    price_per_hour: float = 0.0
+    capacity: int = 1
+    name: str = ""
+    """Shown in logs; the daemon assigns the sampler id."""
+    weights_url: str | None = None
+    """Base URL of the daemon's delta store (actors/weights' blob app); None: no following."""
+    weights_token: str | None = None
+    """Bearer token for the delta store when it is behind the control plane's auth."""
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.join_url)
+        if parts.scheme not in ("ws", "wss") or not parts.hostname:
+            raise ValueError(f"join URL {self.join_url!r} must look like ws://HOST:PORT/fleet/join")
+        if not self.token:
+            raise ValueError("the fleet token must not be empty")
+        if not (self.price_per_hour >= 0 and self.price_per_hour != float("inf")):
+            raise ValueError(f"price_per_hour must be a finite number >= 0, got {self.price_per_hour}")
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        if not (0 < self.backoff_base_s <= self.backoff_max_s):
+            raise ValueError("backoff_base_s must be > 0 and <= backoff_max_s")
+
+
+def build_backend(cfg: RemoteClientConfig) -> Any:
+    """The sampler backend named by `cfg` (loads the model; takes seconds)."""
+    if not cfg.model_dir:
+        raise ValueError("a model directory is needed (--model DIR)")
+    if cfg.backend == "torch":
+        from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
+        return TorchBackend(TorchBackendConfig(model_dir=cfg.model_dir, dtype=cfg.dtype, device=cfg.device))
+    from fleetrl.actors.samplers.vllm_backend import VllmBackend, VllmBackendConfig
+    return VllmBackend(VllmBackendConfig(model_dir=cfg.model_dir, dtype=cfg.dtype))
+
+
+async def run_remote(cfg: RemoteClientConfig, backend: Any, *, log: Any = None,
+                     max_connections: int | None = None) -> None:
+    """Join and serve, reconnecting with backoff, until cancelled (or `max_connections`
+    connections have ended). Raises JoinRefused when the daemon refuses us."""
+    delay = cfg.backoff_base_s
+    sync, client = _weight_sync(cfg, backend)
+    n = 0
+    try:
+        while max_connections is None or n < max_connections:
+            n += 1
+            served = False
+            try:
+                served = await serve_once(cfg, backend, sync=sync, log=log)
+                why = "daemon closed the connection"
+            except (OSError, ConnectionClosed, HandshakeError, _Lost, trio.TooSlowError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            if served:
+                delay = cfg.backoff_base_s
+            if log is not None:
+                log.warning("connection lost; reconnecting", why=why, in_s=delay)
+            if max_connections is not None and n >= max_connections:
+                return
+            await trio.sleep(delay)
+            delay = min(delay * 2, cfg.backoff_max_s)
+    finally:
+        if client is not None:
+            with trio.CancelScope(shield=True):
+                await client.aclose()
+
+
+class _Lost(Exception):
+    """The daemon went silent."""
+
+
+def _weight_sync(cfg: RemoteClientConfig, backend: Any) -> tuple[WeightSync | None, Any]:
+    if cfg.weights_url is None:
+        return None, None
+    import httpx
+
+    from fleetrl.actors.weights.http import HttpBlobSource
+
+    headers = {"Authorization": f"Bearer {cfg.weights_token}"} if cfg.weights_token else {}
+    client = httpx.AsyncClient(headers=headers, timeout=60.0)
+    return WeightSync(backend, HttpBlobSource(client, cfg.weights_url)), client
+
+
+async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync | None = None,
+                     log: Any = None) -> bool:
+    """One connection: join, serve until it ends. Returns whether it was welcomed."""
+    codec = m.FLEET
+    query = urlencode({"price_per_hour": repr(float(cfg.price_per_hour))})
+    url = cfg.join_url + ("&" if "?" in cfg.join_url else "?") + query
+    async with connect(url) as ws:
+        name = cfg.name or socket.gethostname()
+        me = identity_of(name, backend)
+        await ws.send_message(codec.encode(m.Join(token=cfg.token, identity=me, capacity=cfg.capacity)))
+        with trio.fail_after(60):
+            reply = codec.decode(await ws.get_message())
+        if isinstance(reply, m.Refused):
+            raise JoinRefused(reply.reason)
+        if not isinstance(reply, m.Welcome):
+            raise JoinRefused(f"expected Welcome or Refused, got {type(reply).__name__}")
+        sid = reply.sampler_id
+        identity = identity_of(sid, backend)
+        lock = trio.Lock()
+        slots = trio.Semaphore(cfg.capacity)
+        running = 0
+
+        async def send(msg: Any) -> None:
+            async with lock:
+                await ws.send_message(codec.encode(msg))
+
+        async def status() -> None:
+            v = backend.weight_version
+            await send(m.SamplerStatus(sampler_id=sid, version=v.version, digest=v.digest,
+                                       queue_depth=running, tokens_per_s=0.0))
+
+        async def follow() -> None:
+            if sync is not None:
+                try:
+                    await sync.sync()
+                except Exception as exc:
+                    if log is not None:
+                        log.warning("weight sync failed", error=f"{type(exc).__name__}: {exc}")
+            await status()
+
+        async def serve(req: m.GenerateRequest) -> None:
+            nonlocal running
+            async with slots:
+                running += 1
+                try:
+                    answer = await trio.to_thread.run_sync(run_generate, backend, identity, req,
+                                                           abandon_on_cancel=True)
+                except Exception as exc:
+                    answer = m.GenerateFailed(request_id=req.request_id, retryable=True,
+                                              reason=f"sampler {sid}: {type(exc).__name__}: {exc}")
+                finally:
+                    running -= 1
+            await send(answer)
+
+        await follow()
+        if log is not None:
+            log.info("joined", sampler=sid, version=backend.weight_version.version)
+        follow_lock = trio.Lock()
+
+        async def follow_locked() -> None:
+            async with follow_lock:
+                await follow()
+
+        try:
+            await _serve_loop(ws, codec, sid, reply.heartbeat_s, send, serve, follow_locked, log)
+        except (ConnectionClosed, _Lost, OSError) as exc:
+            if log is not None:
+                log.warning("connection ended", why=f"{type(exc).__name__}: {exc}")
+        except BaseExceptionGroup as group:
+            _, rest = group.split((ConnectionClosed, _Lost, OSError))
+            if rest is not None:
+                raise
+    return True
+
+
+async def _serve_loop(ws: Any, codec: Any, sid: str, heartbeat_s: float, send: Any, serve: Any,
+                      follow: Any, log: Any) -> None:
+    """Heartbeats out; requests and versions in, until the connection ends."""
+    async with trio.open_nursery() as nursery:
+        async def beat() -> None:
+            while True:
+                await trio.sleep(heartbeat_s)
+                await send(m.Heartbeat(sampler_id=sid, sent_at=trio.current_time()))
+
+        nursery.start_soon(beat)
+        silence = 5 * heartbeat_s
+        try:
+            while True:
+                with trio.move_on_after(silence) as timer:
+                    data = await ws.get_message()
+                if timer.cancelled_caught:
+                    raise _Lost(f"no message from the daemon for {silence} s")
+                try:
+                    msg = codec.decode(data)
+                except BadMessage as exc:
+                    await send(Rejected(kind=exc.kind, detail=str(exc.detail)[:1024]))
+                    continue
+                if isinstance(msg, m.GenerateRequest):
+                    nursery.start_soon(serve, msg)
+                elif isinstance(msg, m.WeightVersionAvailable):
+                    nursery.start_soon(follow)
+                elif isinstance(msg, Rejected) and log is not None:
+                    log.warning("daemon rejected a message", kind=msg.kind, detail=msg.detail)
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,242 @@
+"""The join endpoint: remote samplers connect over a WebSocket and serve the pool.
+
+Mounted on the daemon's control plane (``ctx.mount("/fleet", fleet_app(...), auth=False)``;
+the endpoint authenticates itself, so that a wrong token gets a `Refused` message that
+says why instead of a bare failed handshake). The route is ``<prefix>/join``; an optional
+query parameter ``price_per_hour`` tells the pool what the sampler's device costs.
+
+One binary WebSocket message = one msgpack message of the `FLEET` conversation:
+
+1. sampler -> daemon: `Join` (token, identity, protocol, capacity). A bad token, a
+   first message that is not a `Join`, an undecodable frame or an old protocol is
+   answered by `Refused(reason)` and the connection is closed (code 1008).
+2. daemon -> sampler: `Welcome` (assigned sampler id, run id, protocol, heartbeat
+   interval, newest weight version).
+3. sampler -> daemon: `SamplerStatus` once its weights are current; only then does it
+   get requests. It sends another after every version switch.
+4. both ways: `Heartbeat` at least every ``heartbeat_s``. The daemon sends
+   `GenerateRequest` and `WeightVersionAvailable`; the sampler answers each request
+   with `Generation` or `GenerateFailed`. A frame that does not decode is answered with
+   `Rejected` and the conversation goes on.
+5. `Leave`, a closed connection, or ``heartbeat_timeout_s`` of silence: the sampler is
+   taken out and the requests it held are routed to others (`SamplerPool.mark_dead`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+from starlette.applications import Starlette
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket
+
+from fleetrl.daemon import messages as m
+from fleetrl.daemon.errors import BadMessage
+from fleetrl.daemon.protocol import PROTOCOL_VERSION, Rejected
+
+from .local import SamplerLost
+from .pool import SamplerPool, token_matches
+
+__all__ = ["CLOSE_POLICY", "RemoteSampler", "fleet_app"]
+
+CLOSE_POLICY = 1008
+"""WebSocket close code of a refused join."""
+
+
+class RemoteSampler:
+    """The pool's handle on one connected remote sampler."""
+
+    def __init__(self, sampler_id: str, send: Any, *, capacity: int, heartbeat_timeout_s: float) -> None:
+        self.sampler_id = sampler_id
+        self._send = send
+        self.capacity = capacity
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._slots = trio.Semaphore(capacity)
+        self._pending: dict[str, trio.MemorySendChannel[Any]] = {}
+        self.lost: str | None = None
+        self.last_heard = trio.current_time()
+
+    async def generate(self, request: m.GenerateRequest, started: Any) -> m.Generation | m.GenerateFailed:
+        async with self._slots:
+            if self.lost is not None:
+                raise SamplerLost(f"remote {self.sampler_id}: {self.lost}")
+            if request.request_id in self._pending:
+                raise SamplerLost(f"remote {self.sampler_id} already holds request {request.request_id}")
+            tx, rx = trio.open_memory_channel[Any](1)
+            self._pending[request.request_id] = tx
+            try:
+                started()
+                try:
+                    await self._send(request)
+                except Exception as exc:
+                    raise SamplerLost(f"remote {self.sampler_id}: send failed: {exc}") from exc
+                try:
+                    return await rx.receive()
+                except trio.EndOfChannel:
+                    raise SamplerLost(f"remote {self.sampler_id}: {self.lost}") from None
+            finally:
+                self._pending.pop(request.request_id, None)
+
+    def resolve(self, msg: m.Generation | m.GenerateFailed) -> bool:
+        """Hand an answer to the waiting request; False if nobody waits for it."""
+        tx = self._pending.get(msg.request_id)
+        if tx is None:
+            return False
+        try:
+            tx.send_nowait(msg)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            return False
+        return True
+
+    def lose(self, reason: str) -> None:
+        if self.lost is None:
+            self.lost = reason
+        for tx in self._pending.values():
+            tx.close()
+
+    async def health(self) -> bool:
+        return self.lost is None and trio.current_time() - self.last_heard <= self.heartbeat_timeout_s
+
+    async def aclose(self) -> None:
+        self.lose("closed")
+
+
+def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float = 2.0,
+              heartbeat_timeout_s: float = 10.0) -> Starlette:
+    """The ASGI app with the ``/join`` WebSocket route (see the module docstring)."""
+    codec = m.FLEET
+
+    async def join(ws: WebSocket) -> None:
+        await ws.accept()
+        lock = trio.Lock()
+
+        async def send(msg: Any) -> None:
+            data = codec.encode(msg)
+            async with lock:
+                await ws.send_bytes(data)
+
+        async def refuse(reason: str) -> None:
+            pool._emit("remote refused", reason=reason, client=str(ws.client), level="warning")
+            try:
+                await send(m.Refused(reason=reason))
+                await ws.close(code=CLOSE_POLICY, reason=reason[:100])
+            except Exception:
+                pass
+
+        try:
+            price = float(ws.query_params.get("price_per_hour", "0"))
+            if not price >= 0 or price == float("inf"):
+                raise ValueError
+        except ValueError:
+            await refuse(f"query parameter price_per_hour={ws.query_params.get('price_per_hour')!r} "
+                         "must be a finite number >= 0")
+            return
+        first = await _receive(ws, heartbeat_timeout_s)
+        if first is None:
+            await refuse(f"no Join within {heartbeat_timeout_s} s")
+            return
+        try:
+            hello = codec.decode(first)
+        except BadMessage as exc:
+            await refuse(f"first message does not decode: {exc}")
+            return
+        if not isinstance(hello, m.Join):
+            await refuse(f"first message must be Join, got {type(hello).__name__}")
+            return
+        if not token_matches(hello.token, token):
+            await refuse("wrong fleet token")
+            return
+        if hello.protocol < 1 or hello.protocol > PROTOCOL_VERSION:
+            await refuse(f"protocol {hello.protocol} not supported (this daemon speaks 1..{PROTOCOL_VERSION})")
+            return
+        sid = pool.new_sampler_id("remote")
+        identity = m.SamplerIdentity(sampler_id=sid, backend=hello.identity.backend,
+                                     device_kind=hello.identity.device_kind, dtype=hello.identity.dtype)
+        handle = RemoteSampler(sid, send, capacity=hello.capacity, heartbeat_timeout_s=heartbeat_timeout_s)
+        why = "connection closed"
+        joined = False
+        try:
+            await send(m.Welcome(sampler_id=sid, run_id=run_id, protocol=PROTOCOL_VERSION,
+                                 heartbeat_s=heartbeat_s, version=pool.trainer_version))
+            latest = pool.latest
+            if latest is not None:
+                await send(latest)
+
+            async def forward_versions(msg: m.WeightVersionAvailable) -> None:
+                if handle.lost is None:
+                    try:
+                        await send(msg)
+                    except Exception:
+                        handle.lose("send failed")
+
+            async with trio.open_nursery() as nursery:
+                async def beat() -> None:
+                    while True:
+                        await trio.sleep(heartbeat_s)
+                        await send(m.Heartbeat(sampler_id=sid, sent_at=trio.current_time()))
+
+                nursery.start_soon(beat)
+                pool.on_version(forward_versions)
+                try:
+                    while True:
+                        data = await _receive(ws, heartbeat_timeout_s)
+                        if data is None:
+                            why = f"silent for {heartbeat_timeout_s} s (or disconnected)"
+                            break
+                        handle.last_heard = trio.current_time()
+                        try:
+                            msg = codec.decode(data)
+                        except BadMessage as exc:
+                            pool._emit("message rejected", sampler=sid, kind=exc.kind, detail=exc.detail,
+                                       level="warning")
+                            await send(Rejected(kind=exc.kind, detail=str(exc.detail)[:1024]))
+                            continue
+                        pool.heard_from(sid)
+                        if isinstance(msg, (m.Generation, m.GenerateFailed)):
+                            handle.resolve(msg)
+                        elif isinstance(msg, m.SamplerStatus):
+                            if not joined:
+                                pool.add(handle, identity, price_per_hour=price, capacity=hello.capacity,
+                                         remote=True, version=msg.version, digest=msg.digest)
+                                joined = True
+                            else:
+                                pool.set_sampler_version(sid, msg.version, msg.digest)
+                        elif isinstance(msg, m.Leave):
+                            why = f"left: {msg.reason}"
+                            break
+                        elif isinstance(msg, (m.Heartbeat, Rejected)):
+                            pass
+                        else:
+                            await send(Rejected(kind="unexpected",
+                                                detail=f"{type(msg).__name__} is not sent by samplers"))
+                finally:
+                    pool._listeners = [f for f in pool._listeners if f is not forward_versions]
+                    nursery.cancel_scope.cancel()
+        except Exception as exc:  # the connection broke while sending
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            handle.lose(why)
+            pool.mark_dead(sid, why)
+            with trio.CancelScope(shield=True):
+                try:
+                    await ws.close()
+                except Exception:
+                    pass
+
+    return Starlette(routes=[WebSocketRoute("/join", join)])
+
+
+async def _receive(ws: WebSocket, timeout_s: float) -> bytes | None:
+    """The next binary frame, or None on disconnect or `timeout_s` of silence."""
+    with trio.move_on_after(timeout_s):
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return None
+            data = msg.get("bytes")
+            if data is None and msg.get("text") is not None:
+                data = msg["text"].encode()
+            if data is not None:
+                return data
+    return None

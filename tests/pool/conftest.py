@@ -1,0 +1,76 @@
+"""Shared fixtures: a tiny saved Llama model, and a scripted in-memory backend wrapper."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, save_tiny_llama
+from fleetrl.daemon import messages as m
+from fleetrl.daemon.protocol import Tensor
+
+SPEC = TinyLlamaSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                     max_position_embeddings=256, initializer_range=0.1)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(build_tiny_llama(SPEC, seed=5), tmp_path_factory.mktemp("pool-model") / "tiny")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def request(i: int, *, max_tokens: int = 6, min_version: int = 0, prompt=None) -> m.GenerateRequest:
+    ids = np.asarray(prompt if prompt is not None else [BOS_ID, *f"x = {i}".encode()], dtype=np.int64)
+    return m.GenerateRequest(request_id=f"r{i}", attempt_id=f"a{i}", prompt_ids=Tensor.from_numpy(ids),
+                             params=m.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i),
+                             min_version=min_version)
+
+
+class ScriptedBackend:
+    """A real backend whose generate can be made to hang or crash (an in-memory fake of a
+    broken device; everything else is the real backend)."""
+
+    def __init__(self, inner, mode: str = "ok") -> None:
+        self.inner = inner
+        self.mode = mode
+        self.release = threading.Event()
+        self.calls = 0
+
+    @property
+    def identity(self):
+        return self.inner.identity
+
+    @property
+    def weight_version(self):
+        return self.inner.weight_version
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        if self.mode == "hang":
+            self.release.wait(60)
+            raise RuntimeError("released after hanging")
+        if self.mode == "crash":
+            raise RuntimeError("device lost")
+        return self.inner.generate(prompts, params)
+
+    def load_version(self, tensors, version):
+        self.inner.load_version(tensors, version)
+
+    def apply_update(self, tensors, version):
+        self.inner.apply_update(tensors, version)
+
+    def health(self):
+        h = self.inner.health()
+        if self.mode == "sick":
+            return type(h)(ok=False, identity=h.identity, version=h.version, detail="scripted failure")
+        return h

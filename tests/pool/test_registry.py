@@ -1,0 +1,57 @@
+"""Registry bookkeeping: busy time, cost per token, latency, mismatch reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetrl.actors.pool.registry import Registry, UnknownSampler
+from fleetrl.daemon.messages import SamplerIdentity
+
+
+def _ident(sid="s"):
+    return SamplerIdentity(sampler_id=sid, backend="torch", device_kind="cpu", dtype="bfloat16")
+
+
+def test_cost_counts_busy_time_once_for_overlapping_requests():
+    reg = Registry()
+    reg.add(_ident(), price_per_hour=3600.0, capacity=2, remote=False)  # $1 per busy second
+    reg.assign("s"); reg.assign("s")
+    reg.started("s", 10.0); reg.started("s", 11.0)  # overlapping: busy 10..14
+    reg.ended("s", 13.0, ran=True, tokens=100, latency_s=3.0)
+    reg.ended("s", 14.0, ran=True, tokens=100, latency_s=3.0)
+    r = reg.get("s")
+    assert r.busy_s == 4.0 and r.tokens == 200 and r.assigned == 0 and r.running == 0
+    assert r.usd_per_token(None) == pytest.approx(4.0 / 200)
+    assert r.usd_per_1k_tokens(20.0) == pytest.approx(20.0)  # idle time is not billed to tokens
+    assert r.tokens_per_s(None) == 50.0 and r.latency_s() == 3.0
+    reg.started("s", 30.0)  # a running request counts up to now
+    assert r.busy_total(31.0) == 5.0
+
+
+def test_failed_and_unstarted_requests_are_not_measured():
+    reg = Registry()
+    reg.add(_ident(), price_per_hour=1.0, capacity=1, remote=True)
+    reg.assign("s")
+    reg.ended("s", 5.0, ran=False, failed=True)
+    r = reg.get("s")
+    assert (r.assigned, r.failures, r.requests, r.usd_per_token(5.0)) == (0, 1, 0, None)
+    assert reg.views(5.0)[0].usd_per_token is None
+
+
+def test_versions_liveness_and_mismatch():
+    reg = Registry()
+    reg.add(_ident("a"), price_per_hour=1.0, capacity=1, remote=False, version=3)
+    reg.add(_ident("b"), price_per_hour=1.0, capacity=1, remote=False, version=5)
+    assert reg.oldest_live_version() == 3
+    reg.mark_dead("a")
+    assert reg.oldest_live_version() == 5
+    reg.set_version("b", 6, "d6", now=1.0)
+    assert reg.views(1.0)[1].version == 6
+    reg.report_mismatch("torch", "cpu", "bfloat16", 1e-4)
+    assert reg.mismatch_kl == {("torch", "cpu", "bfloat16"): 1e-4}
+    with pytest.raises(ValueError, match="mismatch KL must be >= 0"):
+        reg.report_mismatch("torch", "cpu", "fp8", -1.0)
+    with pytest.raises(UnknownSampler):
+        reg.get("zz")
+    with pytest.raises(ValueError, match="sampler 'c': capacity must be >= 1"):
+        reg.add(_ident("c"), price_per_hour=1.0, capacity=0, remote=False)
