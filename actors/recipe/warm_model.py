@@ -1,0 +1,353 @@
+"""The cached warm-start model of the embedded default.
+
+`ensure_warm_model(cache_dir, recipe)` returns the directory of the tiny model built
+with `recipe.init_seed`, warmed up on the synthetic task format (`warmup.run_warmup`)
+and saved with transformers next to its byte tokenizer, so transformers, vLLM and the
+torch sampler backend all load it. The first call trains it (about a minute on two
+CPU cores); later calls find it in `cache_dir` and return at once.
+
+Cache layout: `cache_dir/warm-<key>/`, where `<key>` is derived from everything
+that determines the weights: the model spec, the init seed, the warm-up config
+(steps, lr, batch, seeds, ...), a digest of the synthetic task family (prompts,
+reference solutions and hidden tests of a fixed probe of tasks, so a change in the
+families or their format invalidates the cache without anyone bumping a version)
+and the cache format. The directory holds the model files and `warm.json`, a
+manifest with the recipe, the key, the sha256 of every file and the warm-up's
+losses. A directory is reused only when its manifest is readable, names the same key
+and every file it lists has the listed digest; anything else (a partial copy, a
+corrupted weight file, an old format) is rebuilt.
+
+Writes are atomic: the model is written and fsynced in a temporary sibling
+directory that is renamed into place, so a crash never leaves a directory that
+passes the check. A lock file per key makes concurrent callers (two daemons sharing
+a cache) build once: the second waits and then reuses the first's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Final
+
+import msgspec
+import torch
+
+from fleetrl.actors.model import TinyLlamaSpec, build_tiny_llama, read_state_dict, save_tiny_llama
+from fleetrl.actors.recipe.warmup import WarmupConfig, run_warmup
+from fleetrl.harness.synthetic import SPLITS, generate_tasks, reference_solution
+
+__all__ = [
+    "CACHE_FORMAT",
+    "DEFAULT_RECIPE",
+    "MANIFEST",
+    "WarmManifest",
+    "WarmRecipe",
+    "check_warm_dir",
+    "ensure_warm_model",
+    "main",
+    "recipe_key",
+    "task_family_digest",
+    "weights_digest",
+]
+
+CACHE_FORMAT: Final = 1
+"""Version of the cache layout and manifest; part of the key."""
+MANIFEST: Final = "warm.json"
+_PROBE_TASKS: Final = 16
+_REQUIRED: Final = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+class WarmRecipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything that determines the warm model's weights."""
+
+    model: TinyLlamaSpec = TinyLlamaSpec()
+    """Shape of the tiny Llama (hidden 192, 4 layers, ~1.8M parameters by default)."""
+    init_seed: int = 0
+    """Seed of the random initialisation."""
+    warmup: WarmupConfig = WarmupConfig()
+    """The supervised warm-up (steps, lr, batch size, task seed, ...)."""
+
+
+DEFAULT_RECIPE: Final = WarmRecipe()
+
+
+class WarmManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`warm.json`: what a cached warm model is and how to check it is whole."""
+
+    format: int
+    key: str
+    recipe: WarmRecipe
+    task_family: str
+    files: dict[str, str]
+    """File name -> "sha256:<hex>" of every file of the model directory but this one."""
+    weights: str
+    """`weights_digest` of the saved tensors."""
+    losses: tuple[float, ...]
+    warmup_seconds: float
+    created_at: float
+
+
+def task_family_digest() -> str:
+    """A digest of the synthetic task family as the warm-up sees it: the prompt,
+    reference completion and hidden tests of the first tasks of every split."""
+    h = hashlib.sha256()
+    for split in SPLITS:
+        for task in generate_tasks(_PROBE_TASKS, split=split, seed=0):
+            record = [task.id, task.prompt, reference_solution(task), sorted(task.metadata.items()),
+                      sorted(task.setup.files.items()), task.evaluator.command]
+            h.update(json.dumps(record, sort_keys=True, default=str).encode())
+    return "sha256:" + h.hexdigest()
+
+
+def recipe_key(recipe: WarmRecipe, *, task_family: str | None = None) -> str:
+    """The cache key of a recipe (24 hex digits): recipe, task family, cache format."""
+    family = task_family if task_family is not None else task_family_digest()
+    payload = msgspec.json.encode({"format": CACHE_FORMAT, "recipe": recipe, "task_family": family})
+    return hashlib.sha256(payload).hexdigest()[:24]
+
+
+def weights_digest(model_dir: str | os.PathLike[str]) -> str:
+    """sha256 over the saved tensors (name, dtype, shape, bytes) in name order."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(read_state_dict(model_dir).items()):
+        t = tensor.contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def check_warm_dir(directory: str | os.PathLike[str], key: str) -> str | None:
+    """Why `directory` is not a whole warm model of cache key `key`, or None if it is."""
+    path = Path(directory)
+    if not path.is_dir():
+        return f"{path}: not a directory"
+    try:
+        manifest = msgspec.json.decode((path / MANIFEST).read_bytes(), type=WarmManifest)
+    except FileNotFoundError:
+        return f"{path}: no {MANIFEST} (partial or foreign directory)"
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return f"{path}/{MANIFEST}: unreadable: {exc}"
+    if manifest.format != CACHE_FORMAT:
+        return f"{path}/{MANIFEST}: format {manifest.format}, expected {CACHE_FORMAT}"
+    if manifest.key != key:
+        return f"{path}/{MANIFEST}: key {manifest.key}, expected {key}"
+    missing = [name for name in _REQUIRED if name not in manifest.files]
+    if missing or not any(name.endswith(".safetensors") for name in manifest.files):
+        return f"{path}/{MANIFEST}: does not list {', '.join(missing) or 'a *.safetensors file'}"
+    for name, digest in sorted(manifest.files.items()):
+        file = path / name
+        if Path(name).name != name or not file.is_file():
+            return f"{path}: {name} is missing"
+        if _file_digest(file) != digest:
+            return f"{path}: {name} does not match its digest (corrupted or modified)"
+    return None
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """Run with `threads` intra-op threads (None: unchanged), restoring the setting."""
+    if threads is None:
+        yield
+        return
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1 or None, got {threads!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for file in directory.iterdir():
+        if file.is_file():
+            with open(file, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _build(final: Path, key: str, family: str, recipe: WarmRecipe, log: Callable[[str], None]) -> None:
+    """Train the warm model and move it into `final` atomically (caller holds the lock)."""
+    parent = final.parent
+    for stale in parent.glob(f".{final.name}.*"):  # work dirs left by a build that crashed
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=parent))
+    try:
+        model = build_tiny_llama(recipe.model, seed=recipe.init_seed)
+        steps = recipe.warmup.steps
+
+        def progress(step: int, loss: float) -> None:
+            if step == 0 or (step + 1) % 25 == 0 or step + 1 == steps:
+                log(f"warm-up step {step + 1}/{steps}: completion loss {loss:.3f}")
+
+        result = run_warmup(model, recipe.warmup, on_step=progress)
+        staging = save_tiny_llama(model, work / "model")
+        files = {
+            file.name: _file_digest(file) for file in sorted(staging.iterdir()) if file.is_file()
+        }
+        manifest = WarmManifest(
+            format=CACHE_FORMAT,
+            key=key,
+            recipe=recipe,
+            task_family=family,
+            files=files,
+            weights=weights_digest(staging),
+            losses=result.losses,
+            warmup_seconds=result.seconds,
+            created_at=time.time(),
+        )
+        (staging / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
+        _fsync_tree(staging)
+        if final.exists() or final.is_symlink():
+            os.replace(final, work / "old")
+        os.replace(staging, final)
+        fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        log(f"warm model saved to {final} ({result.seconds:.1f} s of warm-up)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def ensure_warm_model(
+    cache_dir: str | os.PathLike[str],
+    recipe: WarmRecipe = DEFAULT_RECIPE,
+    *,
+    log: Callable[[str], None] | None = None,
+    threads: int | None = None,
+) -> Path:
+    """The directory of the warm model of `recipe` under `cache_dir`, built if absent.
+
+    Reuses `cache_dir/warm-<key>` when `check_warm_dir` accepts it; otherwise trains
+    the model and writes it there atomically (replacing an invalid directory).
+    `log` receives progress lines (default: none). `threads` sets torch's intra-op
+    threads for the build (None: as configured); on a CPU shared with samplers and
+    sandboxes, 1 thread is often faster than oversubscribing the cores. The thread
+    count is not part of the cache key: it can change the last bits of the weights,
+    not the recipe.
+    """
+    if threads is not None and (isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"threads must be >= 1 or None, got {threads!r}")
+    say = log if log is not None else (lambda _line: None)
+    root = Path(cache_dir).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    family = task_family_digest()
+    key = recipe_key(recipe, task_family=family)
+    final = root / f"warm-{key}"
+    with _locked(root / f".warm-{key}.lock"):
+        why = check_warm_dir(final, key)
+        if why is None:
+            say(f"warm model found in cache: {final}")
+            return final
+        if final.exists():
+            say(f"rebuilding the warm model: {why}")
+        else:
+            say(f"building the warm model (cache key {key})")
+        with _torch_threads(threads):
+            _build(final, key, family, recipe, say)
+        why = check_warm_dir(final, key)
+        if why is not None:  # pragma: no cover - would be a bug in _build
+            raise RuntimeError(f"the freshly built warm model does not pass its check: {why}")
+    return final
+
+
+def _measure(model_dir: Path, label: str, n: int, task_seed: int, sample_seed: int) -> dict[str, object]:
+    from fleetrl.actors.recipe.evaluate import EvalSampling, evaluate_pass_at_1
+
+    out: dict[str, object] = {}
+    for split in ("fresh", "general"):
+        result = evaluate_pass_at_1(
+            model_dir, split=split, n=n, task_seed=task_seed, sampling=EvalSampling(seed=sample_seed)
+        )
+        rate = result.pass_at_1
+        print(f"{label:>12} {split:>8}: pass@1 {rate}  mean reward {result.mean_reward:.3f}  "
+              f"stopped {100 * result.stopped:.0f}%  ({result.sample_seconds:.1f} s sampling, "
+              f"{result.score_seconds:.1f} s scoring)", file=sys.stderr)
+        out[split] = {
+            "pass_at_1": rate.rate, "ci95": [rate.low, rate.high], "successes": rate.successes, "n": rate.n,
+            "mean_reward": result.mean_reward, "stopped": result.stopped,
+            "sample_s": result.sample_seconds, "score_s": result.score_seconds,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build (or find) the warm model and measure pass@1 before and after warm-up.
+
+    `python -m fleetrl.actors.recipe.warm_model --cache-dir DIR [--eval N]`: prints
+    progress and a table to stderr, then one JSON line with the figures (it reproduces
+    the measurements of docs/warmup.md).
+    """
+    parser = argparse.ArgumentParser(prog="python -m fleetrl.actors.recipe.warm_model", description=main.__doc__)
+    parser.add_argument("--cache-dir", required=True, type=Path, help="where warm models are cached")
+    parser.add_argument("--eval", type=int, default=200, metavar="N", help="tasks per evaluation set (0: none)")
+    parser.add_argument("--eval-seed", type=int, default=1, help="task seed of the evaluation sets")
+    parser.add_argument("--sample-seed", type=int, default=0, help="seed of the sampling RNG")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the random-init evaluation")
+    args = parser.parse_args(argv)
+    if args.eval < 0:
+        parser.error("--eval must be >= 0")
+    recipe = DEFAULT_RECIPE
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    report: dict[str, object] = {"recipe": msgspec.to_builtins(recipe), "torch_threads": torch.get_num_threads()}
+    started = time.perf_counter()
+    path = ensure_warm_model(args.cache_dir, recipe, log=lambda line: print(line, file=sys.stderr))
+    report["ensure_s"] = time.perf_counter() - started
+    report["model_dir"] = str(path)
+    manifest = msgspec.json.decode((path / MANIFEST).read_bytes(), type=WarmManifest)
+    report["warmup_s"] = manifest.warmup_seconds
+    report["loss_first"], report["loss_last"] = manifest.losses[0], manifest.losses[-1]
+    if args.eval:
+        if not args.no_baseline:
+            with tempfile.TemporaryDirectory(prefix="fleetrl-init-") as tmp:
+                init_dir = save_tiny_llama(build_tiny_llama(recipe.model, seed=recipe.init_seed), Path(tmp) / "init")
+                report["random_init"] = _measure(init_dir, "random init", args.eval, args.eval_seed, args.sample_seed)
+        t0 = time.perf_counter()
+        report["warm"] = _measure(path, "warm", args.eval, args.eval_seed, args.sample_seed)
+        report["warm_eval_s"] = time.perf_counter() - t0
+    print(json.dumps(report, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
