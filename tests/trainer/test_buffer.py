@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import example, HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetrl.actors.buffer import (
@@ -130,6 +130,8 @@ ops = st.lists(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=ops, max_staleness=st.integers(0, 3), capacity=st.integers(1, 6))
+@example(ops=[("offer", 0, False, 0), ("advance", 1), ("take", 1), ("offer", 0, False, 0)],
+         max_staleness=0, capacity=1)  # an id admitted again after it expired untrained
 def test_never_stale_never_lost(groups, ops, max_staleness, capacity):
     """Every offered group ends up exactly once: queued, trained, or reported (stale,
     expired, zero variance, duplicate, or left with the caller when full); no admitted
@@ -137,6 +139,8 @@ def test_never_stale_never_lost(groups, ops, max_staleness, capacity):
     buf = RolloutBuffer(BufferConfig(max_staleness=max_staleness, capacity=capacity))
     v = FakeVersions()
     fates: dict[str, list[str]] = {}
+    life: dict[str, str] = {}  # group id -> key of its current admission (an id may be
+    # admitted again after it expired untrained: a regenerated group under the same id)
     cache = {}
     offered = 0
     for op in ops:
@@ -154,7 +158,10 @@ def test_never_stale_never_lost(groups, ops, max_staleness, capacity):
                 continue
             if isinstance(out, Admitted):
                 assert out.staleness <= max_staleness
-                fates.setdefault(gid, []).append("admitted")
+                # an id is admitted again only after its previous group expired untrained
+                assert gid not in life or fates[life[gid]][-1] == "expired"
+                life[gid] = f"{gid}@{offered}"
+                fates.setdefault(life[gid], []).append("admitted")
             elif isinstance(out, StaleGroup):
                 assert out.staleness > max_staleness
                 fates.setdefault(f"{gid}#{offered}", []).append("stale")
@@ -170,16 +177,17 @@ def test_never_stale_never_lost(groups, ops, max_staleness, capacity):
             batch, expired = buf.take(op[1], v.version)
             for g in batch:
                 assert v.version - g.oldest_version <= max_staleness
-                fates[g.group_id].append("trained")
+                fates[life[g.group_id]].append("trained")
             for e in expired:
                 assert e.staleness > max_staleness and e.reason == "expired"
-                fates[e.group_id].append("expired")
+                fates[life[e.group_id]].append("expired")
         assert len(buf) <= capacity
     # admitted groups are queued, trained or expired: exactly one of these, once
     for gid, fate in fates.items():
         if fate[0] == "admitted":
             assert len(fate) <= 2
-            assert (gid in buf.queued_ids) == (len(fate) == 1)
+            assert (life[gid.split("@")[0]] == gid and gid.split("@")[0] in buf.queued_ids) \
+                == (len(fate) == 1)
             assert fate.count("admitted") == 1
     c = buf.counters
     assert c.offered + sum(f == ["full"] for f in fates.values()) == offered
