@@ -11,8 +11,11 @@ import msgspec
 
 from .policy import RetryPolicy
 
-__all__ = ["EnvWorkerConfig", "HumanEvalTasks", "JsonlTasks", "LocalModel", "PoolModel",
+__all__ = ["EXTERNAL", "EnvWorkerConfig", "HumanEvalTasks", "JsonlTasks", "LocalModel", "PoolModel",
            "SandboxSettings", "SyntheticTasks"]
+
+EXTERNAL = "external"
+"""``harness = "external"``: any command run against the endpoint actor (`harness.external`)."""
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
@@ -94,16 +97,21 @@ class SandboxSettings(_Strict):
 class EnvWorkerConfig(_Strict):
     """Settings of one environment worker (see docs/envworkers.md)."""
 
-    model: ModelConfig
+    model: ModelConfig | None = None
+    """Required, except with ``harness = "external"`` (the endpoint actor's model answers then)."""
     target: str = "buffer"
     """Actor that receives each `RolloutGroup`."""
     failures_to: str | None = None
     """Actor that receives each `RolloutFailed` (default: ``target``)."""
     tasks: TaskSourceConfig = SyntheticTasks()
-    harness: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")] = (
+    harness: Annotated[str, msgspec.Meta(pattern=r"^(external|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$")] = (
         "fleetrl.harness.builtin:CompletionHarness")
-    """Import path of a harness object, or of a class/factory called with ``harness_config``."""
+    """Import path of a harness object, or of a class/factory called with ``harness_config``;
+    or ``"external"``: a command (``harness_config`` = an `ExternalCommand`: ``argv``,
+    ``env``, ``timeout_s``, ...) run against the endpoint actor named by ``endpoint``."""
     harness_config: dict[str, Any] = {}
+    endpoint: str | None = None
+    """The endpoint actor (``fleetrl.actors.endpoint:run``) an external harness calls."""
     group_size: PosInt = 4
     """Attempts per task (G)."""
     max_concurrent_attempts: PosInt = 4
@@ -121,12 +129,33 @@ class EnvWorkerConfig(_Strict):
     sandbox: SandboxSettings = SandboxSettings()
 
     def __post_init__(self) -> None:
+        if self.harness == EXTERNAL:
+            if self.endpoint is None:
+                raise ValueError('harness = "external" needs endpoint = NAME (the endpoint actor it calls)')
+            if self.model is not None:
+                raise ValueError('model is not used with harness = "external": the endpoint actor\'s '
+                                 "model answers the command's calls (remove model)")
+            self.external_command()
+        else:
+            if self.model is None:
+                raise ValueError("missing required key 'model' (only harness = \"external\" runs without one)")
+            if self.endpoint is not None:
+                raise ValueError(f'endpoint = {self.endpoint!r} is only used with harness = "external"')
         if self.retry.max_failed_per_group is not None and self.retry.max_failed_per_group > self.group_size:
             raise ValueError(f"retry.max_failed_per_group={self.retry.max_failed_per_group} exceeds "
                              f"group_size={self.group_size}")
         if self.sandbox.max_warm > self.sandbox.max_containers:
             raise ValueError(f"sandbox.max_warm={self.sandbox.max_warm} exceeds "
                              f"sandbox.max_containers={self.sandbox.max_containers}")
+
+    def external_command(self) -> Any:
+        """``harness_config`` as the `ExternalCommand` of ``harness = "external"`` (checked)."""
+        from fleetrl.harness.external import ExternalCommand
+
+        try:
+            return msgspec.convert(self.harness_config, ExternalCommand)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"harness_config for the external harness: {exc}") from None
 
     @property
     def groups_in_flight(self) -> int:

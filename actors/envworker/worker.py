@@ -18,6 +18,12 @@ A scored attempt becomes a `Trajectory` holding the token record of every model 
 When every slot of the group has ended, the group (`group.GroupTracker`) is sent as
 one `RolloutGroup`, or reported as incomplete.
 
+``harness = "external"``: the harness is an `ExternalHarness` running the configured
+command (``harness_config`` = an `ExternalCommand`) against the endpoint actor named by
+``endpoint`` (``fleetrl.actors.endpoint``, same daemon): each attempt opens a key in
+the endpoint's `AttemptRegistry`, and the `AttemptRecord` of the command's calls, closed
+when it ends, is the attempt's trajectory. The worker then loads no model of its own.
+
 Drain (shutdown): no new task is taken and no failed attempt is retried; attempts in
 flight may finish for ``drain_grace_s``; then they are cancelled and each is reported
 as a ``timeout`` failure "abandoned at shutdown". A group with an abandoned attempt is
@@ -41,14 +47,14 @@ from fleetrl.harness.protocol import Episode, Harness, SetupFailed, evaluate_in_
 from fleetrl.harness.tasks import EvaluatorOutputError, Task
 from fleetrl.sandboxes import Limits, Ownership, SandboxError, WarmPolicy, open_sandbox_pool
 
-from .config import EnvWorkerConfig, LocalModel, SandboxSettings
+from .config import EXTERNAL, EnvWorkerConfig, LocalModel, ModelConfig, SandboxSettings
 from .cursor import CursorState, TaskCursor
 from .group import AttemptTicket, GroupTracker
 from .model import LocalModelClient, PoolModelClient
 from .policy import episode_failure
 from .sources import open_task_source
 
-__all__ = ["Failed", "load_harness", "run", "sandbox_limits"]
+__all__ = ["Failed", "load_harness", "open_model", "run", "sandbox_limits"]
 
 MiB = 1 << 20
 
@@ -144,7 +150,7 @@ class _Worker:
     # -- one attempt ------------------------------------------------------------------------
     async def attempt(self, task: Task, ticket: AttemptTicket) -> Trajectory | Failed:
         t0 = time.monotonic()
-        model = self.model.for_attempt(ticket.attempt_id)
+        model = self.model.for_attempt(ticket.attempt_id) if self.model is not None else None
         try:
             async with self.pool.lease(task.image, sandbox_limits(task, self.cfg.sandbox)) as sb:
                 try:
@@ -301,8 +307,8 @@ class _Worker:
             outer.cancel_scope.cancel()
 
 
-async def _open_model(cfg: EnvWorkerConfig, ctx: Any) -> Any:
-    m = cfg.model
+async def open_model(m: ModelConfig, ctx: Any) -> Any:
+    """The model client of ``m``: a torch backend of this actor's own, or the pool actor's client."""
     if isinstance(m, LocalModel):
         from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
 
@@ -323,16 +329,35 @@ def _sender(ctx: Any, name: str, key: str) -> Any:
         raise ValueError(f"{key} = {name!r} is not an actor of this daemon") from None
 
 
+async def _external_harness(cfg: EnvWorkerConfig, ctx: Any) -> Harness:
+    """``harness = "external"``: the command against the endpoint actor ``cfg.endpoint``,
+    which runs in this daemon (waits until it has started)."""
+    from fleetrl.actors.endpoint import endpoint_handle
+    from fleetrl.harness.external import ExternalHarness
+
+    assert cfg.endpoint is not None  # the config checks it
+    _sender(ctx, cfg.endpoint, "endpoint").close()  # an actor of this daemon? (else a clear error)
+    handle = await endpoint_handle(cfg.endpoint, instance_id=ctx.instance_id)
+    ctx.log.info("external harness", argv=list(cfg.external_command().argv), endpoint=handle.base_url)
+    return ExternalHarness(cfg.external_command(), registry=handle.registry, base_url=handle.base_url,
+                           model_name=handle.model_name)
+
+
 async def run(cfg: EnvWorkerConfig, ctx: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     """The environment worker actor (see the module docstring)."""
-    harness = load_harness(cfg.harness, cfg.harness_config)
+    external = cfg.harness == EXTERNAL
+    harness = None if external else load_harness(cfg.harness, cfg.harness_config)
     source = await trio.to_thread.run_sync(open_task_source, cfg.tasks, ctx.log)
     cursor = TaskCursor(ctx.restored_as(CursorState))
 
     async def checkpoint() -> CursorState:
         return cursor.state()
     ctx.on_checkpoint(checkpoint)
-    model = await _open_model(cfg, ctx)
+    if external:
+        harness, model = await _external_harness(cfg, ctx), None
+    else:
+        assert cfg.model is not None  # the config checks it
+        model = await open_model(cfg.model, ctx)
     out = _sender(ctx, cfg.target, "target")
     failures_out = out if cfg.failures_to in (None, cfg.target) else _sender(ctx, cfg.failures_to, "failures_to")
     ownership = Ownership.for_state_dir(ctx.daemon_dir, owner=ctx.instance_id, run=ctx.run_id)
