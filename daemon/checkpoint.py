@@ -16,7 +16,6 @@ Pure file I/O, synchronous: the supervisor calls it through ``trio.to_thread``.
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 import time
@@ -27,6 +26,7 @@ import msgspec
 import xxhash
 
 from .faults import CheckpointCorrupt
+from .files import write_atomic
 
 __all__ = ["Checkpoint", "CheckpointStore"]
 
@@ -71,14 +71,6 @@ def decode(data: bytes, *, name: str = "checkpoint") -> Checkpoint:
         raise CheckpointCorrupt(f"{name}: cannot decode: {exc}") from None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class CheckpointStore:
     """The ``checkpoints/`` directory of a state directory."""
 
@@ -105,17 +97,7 @@ class CheckpointStore:
                           actors=dict(actors))
         data = encode(ckpt)
         final = self.dir / f"ckpt-{ckpt.seq:012d}.bin"
-        tmp = self.dir / f".{final.name}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-        _fsync_dir(self.dir)
+        write_atomic(final, data, mode=0o600)
         for old in self.files()[self.keep:]:
             old.unlink(missing_ok=True)
         return ckpt

@@ -26,19 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from .faults import StateDirLocked
+from .files import write_atomic
 
 __all__ = ["StateDir", "daemon_alive", "read_control", "read_token"]
 
 
 def _atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_atomic(path, text.encode(), mode=mode)
 
 
 class StateDir:

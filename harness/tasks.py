@@ -25,12 +25,13 @@ import math
 import os
 import posixpath
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
+
+from fleetrl.daemon.files import write_atomic
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -453,32 +454,6 @@ def load_tasks_jsonl(path: str | os.PathLike[str]) -> LoadReport:
                 task = msgspec.structs.replace(task, source=Source(kind="user", ref=where))
             tasks.append(task)
     return LoadReport(tasks=tasks, errors=errors)
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temp file in the same directory,
-    fsync, rename over the target, fsync the directory. Readers see the old file or
-    the new one, never a part."""
-    target = Path(path)
-    directory = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def dump_tasks_jsonl(tasks: Iterable[Task], path: str | os.PathLike[str]) -> int:

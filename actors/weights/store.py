@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import threading
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import xxhash
+
+from fleetrl.daemon.files import write_atomic
 
 __all__ = ["BlobNotFound", "BlobStore", "LocalDirStore", "MemoryStore", "key_of", "check_key",
            "check_ref_name"]
@@ -132,24 +133,7 @@ class LocalDirStore:
 
     def _atomic_write(self, dest: Path, data: bytes) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root / "tmp", prefix=dest.name[:16] + ".")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        dfd = os.open(dest.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomic(dest, data, tmp_dir=self.root / "tmp")
 
     def put(self, data: bytes) -> str:
         key = key_of(data)
