@@ -61,7 +61,7 @@ class Daemon:
                 pass
         return out
 
-    def wait_for(self, pred, what: str, timeout: float = 30.0):
+    def wait_for(self, pred, what: str, timeout: float = 180.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             got = pred()
@@ -72,7 +72,7 @@ class Daemon:
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}; stderr: {self.err()}")
 
-    def wait_log(self, event: str, timeout: float = 30.0, **fields) -> dict:
+    def wait_log(self, event: str, timeout: float = 180.0, **fields) -> dict:
         def find():
             for e in self.logs():
                 if e.get("event") == event and all(e.get(k) == v for k, v in fields.items()):
@@ -173,7 +173,7 @@ def test_second_signal_forces_exit_4(daemons):
     d.signal(signal.SIGTERM)
     d.wait_log("shutdown requested")
     d.signal(signal.SIGTERM)
-    assert d.wait(timeout=20) == 4, d.err()
+    assert d.wait(timeout=60) == 4, d.err()
     assert any(e["event"] == "forced exit" for e in d.logs())
 
 
@@ -189,7 +189,7 @@ def test_status_and_stop_commands(daemons, fleetrl_bin, subprocess_env):
     stop = subprocess.run([fleetrl_bin, "stop", "--state-dir", str(d.state)],
                           env=subprocess_env, capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0 and stop.stdout.strip() == "stopped", stop.stderr
-    assert d.wait(timeout=10) == 0
+    assert d.wait(timeout=60) == 0
     gone = subprocess.run([fleetrl_bin, "status", "--state-dir", str(d.state)],
                           env=subprocess_env, capture_output=True, text=True, timeout=60)
     assert gone.returncode == 5 and "no fleetrl daemon is running" in gone.stderr
