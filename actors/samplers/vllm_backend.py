@@ -154,6 +154,10 @@ class VllmBackend:
         from vllm.platforms import current_platform
 
         self.config = config
+        # vLLM's CPU attention checks that a step runs with the thread count its metadata
+        # was built with; OpenMP's count is per calling thread, and actors call backends
+        # from worker threads. Every engine call pins the count the engine started with.
+        self._torch_threads = torch.get_num_threads()
         on_cpu = current_platform.is_cpu()
         if config.dtype == "fp8" and on_cpu:
             raise ValueError(
@@ -250,6 +254,8 @@ class VllmBackend:
         with self._engine_lock:
             if self._engine is None:
                 raise SamplerError("this vLLM backend is closed")
+            if torch.get_num_threads() != self._torch_threads:
+                torch.set_num_threads(self._torch_threads)
             return self._run(rows, params, seed)
 
     def load_version(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
