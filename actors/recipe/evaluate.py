@@ -106,9 +106,14 @@ def main():
             pid = os.fork()
             if pid == 0:
                 try:
+                    os.setpgid(0, 0)  # its own group: a kill reaches the test processes it forks
                     run_checker(dirs[nxt])
                 finally:
                     os._exit(121)
+            try:
+                os.setpgid(pid, pid)
+            except OSError:
+                pass
             running[pid] = (nxt, time.monotonic() + timeout)
             nxt += 1
         pid, wstatus = os.waitpid(-1, os.WNOHANG)
@@ -117,7 +122,7 @@ def main():
             for p, (i, deadline) in list(running.items()):
                 if now > deadline:
                     try:
-                        os.kill(p, 9)
+                        os.killpg(p, 9)
                     except OSError:
                         pass
                     os.waitpid(p, 0)
@@ -127,6 +132,10 @@ def main():
             continue
         i, _ = running.pop(pid)
         status[i] = os.waitstatus_to_exitcode(wstatus)
+        try:
+            os.killpg(pid, 9)  # stray test processes the checker left behind
+        except OSError:
+            pass
     for i, s in enumerate(status):
         print(i, s)
 
