@@ -11,7 +11,7 @@ from pathlib import Path
 import docker
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "common"))  # fakes.py
 
 from fleetrl.actors.model import build_byte_tokenizer  # noqa: E402
 from fleetrl.harness.model import HFChatTokenizer  # noqa: E402

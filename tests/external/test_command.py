@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import trio
-from external_fakes import ScriptedModel, serving
+from fakes import FakeModel, serving
 
 from fleetrl.harness.external import (
     ExternalCommand,
@@ -196,7 +196,7 @@ async def test_cancelling_the_caller_kills_the_process_tree(tok, tmp_path):
 
 @pytest.mark.docker
 async def test_openai_client_script_two_calls_and_a_file_scored_by_the_evaluator(tok, sandbox_factory):
-    model = ScriptedModel(tok, ["hello", "world"])
+    model = FakeModel(tok, replies=["hello", "world"])
     registry = AttemptRegistry(tok)
     app = create_app(model, registry, EndpointConfig(model_name="tiny"))
     task = Task(id="two-calls", prompt="say hello", setup=Setup(files={"notes.txt": "x"}),

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import trio
-from external_fakes import ScriptedModel, TorchClient, serving
+from fakes import FakeModel, TorchClient, serving
 
 from fleetrl.actors.model import TinyLlamaSpec, create_tiny_llama, save_byte_tokenizer
 from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
@@ -181,7 +181,7 @@ async def test_mini_swe_agent_action_and_submission_in_the_sandbox(tok, sandbox_
     user, in its work dir) and its own submission command ends the run; the evaluator scores 1."""
     replies = ["THOUGHT: write it.\n\n```mswea_bash_command\nprintf done > done.txt && id -u > who.txt\n```",
                f"THOUGHT: finished.\n\n```mswea_bash_command\necho {SUBMIT_MARKER}\n```"]
-    model = ScriptedModel(tok, replies)
+    model = FakeModel(tok, replies=replies)
     registry = AttemptRegistry(tok)
     app = create_app(model, registry, EndpointConfig(model_name="tiny", context_length=8192))
     task = Task(id="mswea-scripted", prompt="Create the file done.txt holding the word done.",

@@ -1,5 +1,5 @@
 """Shared fixtures of the endpoint and harness tests: the byte tokenizer as a
-ChatTokenizer, and the in-memory fakes (see harness_api_fakes.py)."""
+ChatTokenizer, and the in-memory fakes (tests/common/fakes.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "common"))  # fakes.py
 
 from fleetrl.actors.model import build_byte_tokenizer  # noqa: E402
 from fleetrl.harness.model import HFChatTokenizer  # noqa: E402

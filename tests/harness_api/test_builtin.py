@@ -7,7 +7,7 @@ import secrets
 
 import pytest
 import trio
-from harness_api_fakes import FakeModel, FakeSandbox, result
+from fakes import FakeModel, FakeSandbox, result
 
 from fleetrl.harness.builtin import (
     CompletionHarness,

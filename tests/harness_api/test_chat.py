@@ -7,7 +7,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from harness_api_fakes import ASCII, FakeModel, PairTokenizer
+from fakes import ASCII, FakeModel, PairTokenizer
 
 from fleetrl.daemon.messages import ROLLOUTS, SamplingParams
 from fleetrl.harness.chat import ChatMessage, cut_at_stop_strings, render_chat

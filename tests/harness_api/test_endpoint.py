@@ -13,7 +13,7 @@ import pytest
 import structlog
 import structlog.testing
 import trio
-from harness_api_fakes import ASCII, FakeModel, serving
+from fakes import ASCII, FakeModel, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 import trio
-from harness_api_fakes import FakeSandbox, serving
+from fakes import FakeSandbox, serving
 
 from fleetrl.actors.model import TinyLlamaSpec, create_tiny_llama, save_byte_tokenizer
 from fleetrl.actors.samplers.base import SamplingParams as BackendParams

@@ -1,4 +1,4 @@
-"""In-memory fakes for the harness and endpoint tests.
+"""Fakes shared by the harness, endpoint and external-harness tests.
 
 `FakeModel` is a deterministic model client: a seeded random policy over a small set
 of printable bytes and <eos>, or scripted replies (text, then <eos>; or exact token
@@ -6,7 +6,10 @@ ids), answering with valid wire
 `Generation`s whose supports are real distributions (sorted, normalised, holding the
 sampled token). `PairTokenizer` is a tokenizer that merges "ab" into one token, so a
 re-tokenised answer can differ from the ids the model produced. `FakeSandbox` keeps
-files in a dict and answers commands through a handler.
+files in a dict and answers commands through a handler. `serving` serves an ASGI app
+on 127.0.0.1; `TorchClient` is a model client over the real torch sampler backend.
+
+Test folders that use it put ``tests/common`` on ``sys.path`` in their conftest.
 """
 
 from __future__ import annotations
@@ -204,3 +207,39 @@ async def serving(app):
             stop.set()
 
 
+class TorchClient:
+    """A ModelClient over the torch sampler backend: its blocking ``generate`` in a
+    worker thread, its result as the wire `Generation`; keeps every request so a test
+    can check the recorded tokens against the sampler."""
+
+    def __init__(self, backend, tokenizer) -> None:
+        self.backend = backend
+        self._tok = tokenizer
+        self.requests: list[tuple[list[int], object]] = []
+
+    @property
+    def tokenizer(self):
+        return self._tok
+
+    async def generate(self, prompt_ids, params: SamplingParams) -> Generation:
+        from fleetrl.actors.samplers.base import SamplingParams as BackendParams
+
+        bp = BackendParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                           top_k=params.top_k, stop_ids=tuple(params.stop_ids), seed=params.seed)
+        self.requests.append((list(prompt_ids), bp))
+        (g,) = await trio.to_thread.run_sync(self.backend.generate, [list(prompt_ids)], bp)
+        ident = self.backend.identity
+
+        def t(values, dtype):
+            return Tensor.from_numpy(np.asarray(values, dtype=dtype))
+
+        return Generation(
+            request_id=f"torch-{len(self.requests)}",
+            token_ids=t(g.token_ids, np.int64), logprobs=t(g.logprobs, np.float32),
+            support=SupportCSR(ids=t(g.support_ids, np.int64), logprobs=t(g.support_logprobs, np.float32),
+                               offsets=t(g.support_offsets, np.int64)),
+            versions=t(g.versions, np.int64),
+            sampler=SamplerIdentity(sampler_id="torch-test", backend=ident.backend, device_kind=ident.device,
+                                    dtype=ident.dtype),
+            finish_reason=g.finish_reason,
+        )
