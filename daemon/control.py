@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import re
+import socket
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
 import trio
@@ -183,22 +186,76 @@ def build_app(plane: ControlPlane, token: str, mounts: MountTable) -> ASGIApp:
 async def serve_control(app: ASGIApp, host: str, port: int, *,
                         shutdown_trigger: Callable[[], Awaitable[Any]],
                         task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+                        max_restarts: int = 10, restart_window_s: float = 60.0,
+                        serve_fn: Callable[..., Awaitable[Any]] = serve,
                         ) -> None:
     """Serve `app` on host:port (0 = any free port) until `shutdown_trigger` returns;
-    ``task_status.started((host, bound_port))`` once listening."""
+    ``task_status.started((host, bound_port))`` once listening.
+
+    The listening socket is ours and outlives hypercorn: a crash inside hypercorn's
+    connection handling (hypercorn 0.18 can raise ``trio.BusyResourceError`` from one
+    connection when a peer goes away while a reply is being sent, which cancels its
+    whole server) is logged and the server is started again on the same socket, so
+    the port never changes and only open connections are lost (remote samplers
+    reconnect). More than `max_restarts` crashes within `restart_window_s` seconds
+    re-raise the last one. `serve_fn` is hypercorn's ``serve`` (replaceable in tests).
+    """
     cfg = HypercornConfig()
-    cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     cfg.accesslog = None
     quiet = logging.getLogger("fleetrl.control.hypercorn")
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
     cfg.errorlog = quiet
     cfg.graceful_timeout = 2.0
+    log = logging.getLogger("fleetrl.control")
 
-    async def run(*, task_status: trio.TaskStatus[list[str]]) -> None:
-        await serve(app, cfg, shutdown_trigger=shutdown_trigger, task_status=task_status)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(cfg.backlog)
+        bound_port = listener.getsockname()[1]
+        stopped = trio.Event()
 
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(run)
-        bound = binds[0].rsplit(":", 1)
-        task_status.started((host, int(bound[1])))
+        async def watch_shutdown() -> None:
+            await shutdown_trigger()
+            stopped.set()
+
+        async def keep_serving(*, task_status: trio.TaskStatus[Any]) -> None:
+            once = _StartedOnce(task_status)
+            crashes: list[float] = []
+            while not stopped.is_set():
+                # hypercorn closes the socket it is given: give it a duplicate of ours
+                cfg.bind = [f"fd://{os.dup(listener.fileno())}"]
+                try:
+                    await serve_fn(app, cfg, shutdown_trigger=stopped.wait, task_status=once)
+                except Exception as exc:
+                    now = trio.current_time()
+                    crashes = [t for t in crashes if now - t < restart_window_s] + [now]
+                    if not once.done or len(crashes) > max_restarts:
+                        raise
+                    log.warning("control plane server crashed; serving again on the same socket: %s: %s",
+                                type(exc).__name__, exc)
+                    await trio.sleep(0.05)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_shutdown)
+            await nursery.start(keep_serving)
+            task_status.started((host, bound_port))
+    finally:
+        listener.close()
+
+
+class _StartedOnce:
+    """A task status that forwards only the first ``started`` (a restarted server
+    calls it again)."""
+
+    def __init__(self, inner: trio.TaskStatus[Any]) -> None:
+        self.inner = inner
+        self.done = False
+
+    def started(self, value: Any = None) -> None:
+        if not self.done:
+            self.done = True
+            self.inner.started(value)

@@ -150,3 +150,76 @@ def test_mount_table_rejects_bad_prefixes():
     table.add("/deltas", app, auth=False, owner="weights")  # a restart re-mounts
     assert table.match("/deltas/v1").auth is False
     assert table.match("/deltasX") is None
+
+
+# -- a crash inside hypercorn is contained ------------------------------------------------
+
+def _crash_after(crash: trio.Event):
+    async def trigger() -> None:
+        await crash.wait()
+        raise trio.BusyResourceError("simulated: another task is already sending on this stream")
+    return trigger
+
+
+async def _healthz(port: int) -> int:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        return (await client.get("/healthz")).status_code
+
+
+async def test_a_crash_inside_hypercorn_restarts_the_server_on_the_same_port():
+    """hypercorn 0.18 can raise from one connection and cancel its whole server; the
+    control plane serves again on the same socket instead of dying."""
+    from hypercorn.trio import serve
+
+    from fleetrl.daemon.control import MountTable, build_app, serve_control
+
+    class Plane:
+        def status(self):
+            return {}
+
+    crash, stop = trio.Event(), trio.Event()
+    calls = []
+
+    async def flaky_serve(app, cfg, *, shutdown_trigger, task_status):
+        calls.append(cfg.bind[0])
+        trigger = _crash_after(crash) if len(calls) == 1 else shutdown_trigger
+        await serve(app, cfg, shutdown_trigger=trigger, task_status=task_status)
+
+    app = build_app(Plane(), "token", MountTable())
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            host, port = await n.start(partial(serve_control, app, "127.0.0.1", 0, shutdown_trigger=stop.wait,
+                                               serve_fn=flaky_serve))
+            assert await _healthz(port) == 200
+            crash.set()
+            while len(calls) < 2:
+                await trio.sleep(0.01)
+            assert await _healthz(port) == 200  # same port, served again
+            stop.set()
+    assert len(calls) == 2
+
+
+async def test_a_server_that_keeps_crashing_is_not_restarted_forever():
+    from hypercorn.trio import serve
+
+    from fleetrl.daemon.control import MountTable, build_app, serve_control
+
+    class Plane:
+        def status(self):
+            return {}
+
+    calls = []
+
+    async def always_crashing(app, cfg, *, shutdown_trigger, task_status):
+        calls.append(cfg.bind[0])
+        crash = trio.Event()
+        crash.set()
+        await serve(app, cfg, shutdown_trigger=_crash_after(crash), task_status=task_status)
+
+    app = build_app(Plane(), "token", MountTable())
+    with trio.fail_after(30), pytest.raises(BaseExceptionGroup) as info:
+        async with trio.open_nursery() as n:
+            await n.start(partial(serve_control, app, "127.0.0.1", 0, shutdown_trigger=trio.sleep_forever,
+                                  serve_fn=always_crashing, max_restarts=2))
+    assert info.group_contains(trio.BusyResourceError)
+    assert len(calls) == 3
