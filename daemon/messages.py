@@ -26,6 +26,7 @@ Evolution: append fields with defaults only; see `protocol`.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 import msgspec
@@ -94,6 +95,15 @@ def _vector(t: Tensor, name: str, dtypes: tuple[str, ...]) -> int:
     if len(t.shape) != 1:
         raise ValueError(f"{name} must be 1-d, got shape {list(t.shape)}")
     return t.shape[0]
+
+
+def _check_dollars(value: float, field: str) -> None:
+    """An amount of money is a finite number >= 0. Construction does not run msgspec's
+    range checks and no range check refuses infinity, so this does (on decode too)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{field} must be a number of dollars, got {type(value).__name__}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{field} must be a finite number of dollars >= 0, got {value!r}")
 
 
 def _check_tokens(token_ids: Tensor, logprobs: Tensor, support: SupportCSR, versions: Tensor) -> None:
@@ -206,6 +216,8 @@ class TokenSegment(Record):
 
     Per generated token: ``token_ids``, the sampler's log q^S (``logprobs``), the
     ``support`` it could choose from, and the weight ``versions`` that produced it.
+    ``cost_usd`` is what the call cost on the sampler that answered it (copied from
+    `Generation.cost_usd`; 0.0 when the sampler has no price).
     """
 
     prompt_ids: Tensor
@@ -215,10 +227,12 @@ class TokenSegment(Record):
     versions: Tensor
     sampler: SamplerIdentity
     finish_reason: FinishReason
+    cost_usd: NonNegFloat = 0.0
 
     def __post_init__(self) -> None:
         _vector(self.prompt_ids, "prompt_ids", _INT)
         _check_tokens(self.token_ids, self.logprobs, self.support, self.versions)
+        _check_dollars(self.cost_usd, "TokenSegment.cost_usd")
 
     @classmethod
     def from_generation(cls, prompt_ids: Tensor, gen: Generation) -> TokenSegment:
@@ -231,6 +245,7 @@ class TokenSegment(Record):
             versions=gen.versions,
             sampler=gen.sampler,
             finish_reason=gen.finish_reason,
+            cost_usd=gen.cost_usd,
         )
 
 
@@ -269,7 +284,14 @@ class GenerateRequest(Message):
 
 
 class Generation(Message):
-    """A sampler's answer to a `GenerateRequest` (see `TokenSegment` for the arrays)."""
+    """A sampler's answer to a `GenerateRequest` (see `TokenSegment` for the arrays).
+
+    ``cost_usd``: dollars this generation cost on the sampler that answered it, filled
+    in by the sampler pool: the sampler's ``price_per_hour / 3600`` times the busy
+    seconds attributed to this request (each second the sampler was busy is shared
+    equally by the requests running in it then). 0.0 for a sampler without a price,
+    and as sent by samplers themselves.
+    """
 
     request_id: str
     token_ids: Tensor
@@ -278,9 +300,11 @@ class Generation(Message):
     versions: Tensor
     sampler: SamplerIdentity
     finish_reason: FinishReason
+    cost_usd: NonNegFloat = 0.0
 
     def __post_init__(self) -> None:
         _check_tokens(self.token_ids, self.logprobs, self.support, self.versions)
+        _check_dollars(self.cost_usd, "Generation.cost_usd")
 
 
 class GenerateFailed(Message):
@@ -333,11 +357,18 @@ class Join(Message):
     protocol: NonNegInt = PROTOCOL_VERSION
     capacity: Annotated[int, msgspec.Meta(ge=1)] = 1
     """Requests the sampler serves concurrently."""
+    price_per_hour: NonNegFloat = 0.0
+    """What the sampler's device costs per hour, in dollars (cost-aware routing and the
+    cost of each `Generation`). Samplers of earlier releases send 0.0 and put the price
+    in the join URL's ``price_per_hour`` query parameter instead."""
+
+    def __post_init__(self) -> None:
+        _check_dollars(self.price_per_hour, "Join.price_per_hour")
 
     def __repr__(self) -> str:  # never print the credential
         return (
             f"Join(token='***', identity={self.identity!r}, protocol={self.protocol!r}, "
-            f"capacity={self.capacity!r})"
+            f"capacity={self.capacity!r}, price_per_hour={self.price_per_hour!r})"
         )
 
 

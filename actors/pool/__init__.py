@@ -8,10 +8,10 @@ WebSocket endpoint), `remote_client` (the remote sampler process), `cli`
 """
 
 from .pacing import Admission, Pacer, PacingError
-from .pool import LocalSamplerConfig, PoolConfig, SamplerPool, pool_client, run
+from .pool import LocalSamplerConfig, PacedAttempt, PoolConfig, SamplerPool, pool_client, run
 from .registry import Registry, SamplerRecord
 from .routing import Bounds, SamplerView, cost_aware, least_loaded
 
-__all__ = ["Admission", "Bounds", "LocalSamplerConfig", "Pacer", "PacingError", "PoolConfig",
+__all__ = ["Admission", "Bounds", "LocalSamplerConfig", "PacedAttempt", "Pacer", "PacingError", "PoolConfig",
            "Registry", "SamplerPool", "SamplerRecord", "SamplerView", "cost_aware", "least_loaded",
            "pool_client", "run"]

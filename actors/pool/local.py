@@ -111,12 +111,13 @@ class LocalSampler:
     """A backend in this process (see the module docstring)."""
 
     def __init__(self, sampler_id: str, backend: base.SamplerBackend, *, capacity: int = 1,
-                 health_timeout_s: float = 30.0) -> None:
+                 health_timeout_s: float = 30.0, close_timeout_s: float = 30.0) -> None:
         self.sampler_id = sampler_id
         self.backend = backend
         self.capacity = capacity
         self.identity = identity_of(sampler_id, backend)
         self.health_timeout_s = health_timeout_s
+        self.close_timeout_s = close_timeout_s
         self._slots = trio.Semaphore(capacity)
         self._closed = False
 
@@ -152,7 +153,18 @@ class LocalSampler:
         return self.backend.weight_version
 
     async def aclose(self) -> None:
+        """No more requests; a backend with a ``close()`` (vLLM: the engine and its
+        memory) is closed in a thread, waiting at most `close_timeout_s` for it."""
+        if self._closed:
+            return
         self._closed = True
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(self.close_timeout_s):
+                try:
+                    await trio.to_thread.run_sync(close, abandon_on_cancel=True)
+                except Exception:  # noqa: BLE001 - a broken backend is being discarded anyway
+                    pass
 
 
 class AsyncStoreSource:

@@ -1,20 +1,23 @@
 """Staleness pacing: admit new attempts only while they cannot end up too stale (pure).
 
 The trainer consumes finished attempts ``attempts_per_step`` at a time; after consuming
-them it moves to the next version. Attempt number ``i`` (in admission order, counting
-from the pacer's start) is therefore trained on at version
-``start_version + i // attempts_per_step``, provided finished attempts are released to
-the trainer in admission order. Its tokens come from weights no older than
-``oldest_version``, the oldest version any sampler that may serve it holds when it is
-admitted. So its staleness is bounded by ``max_staleness`` exactly when
+them it moves to the next version. Failed attempts never reach it. So if ``i`` attempts
+admitted before this one are not known to have failed, this one is trained on at
+version at most ``start_version + i // attempts_per_step`` (exactly that when none of
+them fails later), provided finished attempts are released to the trainer in admission
+order. Its tokens come from weights no older than ``oldest_version``, the oldest
+version any sampler that may serve it holds when it is admitted. So its staleness is
+bounded by ``max_staleness`` when
 
     start_version + i // attempts_per_step - oldest_version <= max_staleness.
 
 `Pacer.try_admit` admits an attempt only if that holds (the AReaL-style capacity rule,
 written with the fleet's oldest version instead of the trainer's). Nothing is dropped:
 an attempt that finishes early waits in the pacer until every earlier one has finished
-(or failed), then `Pacer.take_ready` hands it out. A failed attempt still occupies its
-place in the order, so later attempts keep their bound.
+(or failed), then `Pacer.take_ready` hands it out. A failed attempt keeps its place in
+the release order but gives its training slot back (the trainer will not see it), so
+the attempts admitted after it are neither held back by it nor wait for a step that a
+missing attempt would never complete.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ class Admission(msgspec.Struct, frozen=True):
 
     attempt_id: str
     ticket: int
+    """Place in admission order (0, 1, 2, ...)."""
     oldest_version: int
     train_version: int
+    """The latest version the trainer can train it at (see the module docstring)."""
 
 
 class _Entry:
@@ -64,15 +69,17 @@ class Pacer:
         self.attempts_per_step = attempts_per_step
         self.start_version = start_version
         self._next_ticket = 0
+        self._slots = 0  # admitted attempts not known to have failed
         self._open: OrderedDict[str, _Entry] = OrderedDict()  # admitted, not yet released
         self.trainer_version = start_version
 
-    def train_version_of(self, ticket: int) -> int:
-        return self.start_version + ticket // self.attempts_per_step
+    def train_version_of(self, slot: int) -> int:
+        """The version the trainer is at when it takes the attempt in training slot `slot`."""
+        return self.start_version + slot // self.attempts_per_step
 
     def would_admit(self, oldest_version: int) -> bool:
         """Whether the next attempt, served by weights >= `oldest_version`, fits the bound."""
-        return self.train_version_of(self._next_ticket) - oldest_version <= self.max_staleness
+        return self.train_version_of(self._slots) - oldest_version <= self.max_staleness
 
     def try_admit(self, attempt_id: str, oldest_version: int) -> Admission | None:
         """Admit `attempt_id` (its tokens come from versions >= `oldest_version`) or return
@@ -83,8 +90,9 @@ class Pacer:
             raise PacingError(f"oldest_version must be >= 0, got {oldest_version}")
         if not self.would_admit(oldest_version):
             return None
-        adm = Admission(attempt_id, self._next_ticket, oldest_version, self.train_version_of(self._next_ticket))
+        adm = Admission(attempt_id, self._next_ticket, oldest_version, self.train_version_of(self._slots))
         self._next_ticket += 1
+        self._slots += 1
         self._open[attempt_id] = _Entry(adm)
         return adm
 
@@ -96,6 +104,8 @@ class Pacer:
         if entry.done:
             raise PacingError(f"attempt {attempt_id!r} already finished")
         entry.done, entry.failed, entry.result = True, failed, result
+        if failed:
+            self._slots -= 1  # the trainer will never take it: its slot goes to the next one
 
     def take_ready(self) -> list[tuple[Admission, Any, bool]]:
         """Finished attempts whose predecessors have all finished, in admission order:

@@ -17,7 +17,13 @@ What the pool guarantees:
   or does not answer a request within ``request_timeout_s`` is taken out; the requests
   it held go back to routing and are served by others, nothing is lost;
 * local samplers are restarted (after ``restart_backoff_s``); remote ones rejoin by
-  themselves (the remote client reconnects with backoff).
+  themselves (the remote client reconnects with backoff);
+* each `Generation` carries its cost (``cost_usd``): the answering sampler's price
+  times the busy seconds charged to the request (`registry`);
+* pacing: ``async with pool.attempt(id)`` admits an attempt only while it cannot end
+  up staler than ``max_staleness`` (`pacing`), and `released` hands finished attempts
+  on in admission order (the order the bound assumes the trainer takes them in);
+  nothing finished is dropped.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import hmac
 import itertools
 import math
 import secrets
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -42,7 +49,7 @@ from .pacing import Admission, Pacer
 from .registry import Registry
 from .routing import Bounds, policy_named
 
-__all__ = ["LocalSamplerConfig", "PoolConfig", "PoolMetrics", "SamplerPool", "pool_client",
+__all__ = ["LocalSamplerConfig", "PacedAttempt", "PoolConfig", "PoolMetrics", "SamplerPool", "pool_client",
            "read_fleet_token", "run"]
 
 PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
@@ -99,6 +106,16 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError(f"samplers: duplicate id(s) {', '.join(dup)}")
 
 
+class PacedAttempt:
+    """An admitted attempt inside `SamplerPool.attempt`; set `result` before leaving."""
+
+    __slots__ = ("admission", "result")
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.result: Any = None
+
+
 class SamplerPool:
     """The routing core (see the module docstring)."""
 
@@ -123,6 +140,7 @@ class SamplerPool:
         self._inflight: dict[str, set[trio.CancelScope]] = {}
         self._dead_events: dict[str, trio.Event] = {}
         self._listeners: list[Callable[[m.WeightVersionAvailable], Awaitable[None]]] = []
+        self._ready: list[tuple[Admission, Any, bool]] = []  # released, not yet taken
         self.answered = 0
         self.rerouted = 0
         self.failed = 0
@@ -202,7 +220,8 @@ class SamplerPool:
 
     # -- pacing ---------------------------------------------------------------------------
     async def admit(self, attempt_id: str) -> Admission:
-        """Wait until a new attempt may start without risking the staleness bound."""
+        """Wait until a new attempt may start without risking the staleness bound.
+        Every admitted attempt must be ended with `finish` (or use `attempt`)."""
         while True:
             oldest = self.registry.oldest_live_version()
             oldest = self.trainer_version if oldest is None else min(oldest, self.trainer_version)
@@ -212,6 +231,43 @@ class SamplerPool:
             if adm is not None:
                 return adm
             await self._wait_change()
+
+    def finish(self, attempt_id: str, result: Any = None, *, failed: bool = False) -> None:
+        """An admitted attempt ended with `result` (`failed`: without one). Every finished
+        attempt whose predecessors have all ended moves, in admission order, to the
+        releases that `released` hands out."""
+        self.pacer.finish(attempt_id, result, failed=failed)
+        ready = self.pacer.take_ready()
+        if ready:
+            self._ready.extend(ready)
+            self._notify()
+
+    async def released(self) -> list[tuple[Admission, Any, bool]]:
+        """Wait for released attempts and take them: ``(admission, result, failed)`` in
+        admission order. The bound assumes the trainer consumes results in this order."""
+        while not self._ready:
+            await self._wait_change()
+        out, self._ready = self._ready, []
+        return out
+
+    @asynccontextmanager
+    async def attempt(self, attempt_id: str) -> AsyncIterator[PacedAttempt]:
+        """Pacing for one attempt::
+
+            async with pool.attempt(attempt_id) as att:   # waits for admission
+                ...                                        # generate, score
+                att.result = trajectory
+
+        Leaving normally finishes the attempt with ``att.result``; leaving by an
+        exception (cancellation included) finishes it as failed. Either way it keeps
+        its place in the order and comes out of `released` once its predecessors ended."""
+        att = PacedAttempt(await self.admit(attempt_id))
+        try:
+            yield att
+        except BaseException:
+            self.finish(attempt_id, failed=True)
+            raise
+        self.finish(attempt_id, att.result)
 
     # -- serving --------------------------------------------------------------------------
     def bounds(self, request: m.GenerateRequest) -> Bounds:
@@ -235,11 +291,12 @@ class SamplerPool:
             scope = trio.CancelScope(deadline=trio.current_time() + self.request_timeout_s)
             self._inflight[sid].add(scope)
             t_start: float | None = None
+            mark: float | None = None
 
             def started() -> None:
-                nonlocal t_start
+                nonlocal t_start, mark
                 t_start = trio.current_time()
-                self.registry.started(sid, t_start)
+                mark = self.registry.started(sid, t_start)
 
             result: m.Generation | m.GenerateFailed | None = None
             lost: str | None = None
@@ -262,14 +319,15 @@ class SamplerPool:
             elif lost is not None:
                 self.mark_dead(sid, lost)
             ok = isinstance(result, m.Generation)
-            self.registry.ended(sid, now, ran=t_start is not None,
-                                tokens=result.token_ids.shape[0] if ok else 0,
-                                latency_s=(now - t_start) if ok and t_start is not None else None,
-                                failed=not ok)
+            busy_s = self.registry.ended(sid, now, ran=t_start is not None,
+                                         tokens=result.token_ids.shape[0] if ok else 0,
+                                         latency_s=(now - t_start) if ok and t_start is not None else None,
+                                         failed=not ok, mark=mark)
             self._notify()
             if ok:
                 self.answered += 1
-                return result
+                price = self.registry.get(sid).price_per_hour
+                return msgspec.structs.replace(result, cost_usd=price / 3600.0 * busy_s)
             if isinstance(result, m.GenerateFailed) and not result.retryable:
                 self.failed += 1
                 return result
@@ -296,13 +354,15 @@ class SamplerPool:
                 await trio.sleep(max(restart_backoff_s, 0.1))
                 continue
             sampler = LocalSampler(sampler_id, backend, capacity=capacity)
-            v = backend.weight_version
-            self.add(sampler, sampler.identity, price_per_hour=price_per_hour, capacity=capacity,
-                     remote=False, version=v.version, digest=v.digest)
-            if on_start is not None:
-                await on_start(sampler)
-            await self.wait_dead(sampler_id)
-            await sampler.aclose()
+            try:
+                v = backend.weight_version
+                self.add(sampler, sampler.identity, price_per_hour=price_per_hour, capacity=capacity,
+                         remote=False, version=v.version, digest=v.digest)
+                if on_start is not None:
+                    await on_start(sampler)
+                await self.wait_dead(sampler_id)
+            finally:  # also when the actor stops: a vLLM engine holds memory until closed
+                await sampler.aclose()
             await trio.sleep(restart_backoff_s)
             self._emit("restarting local sampler", sampler=sampler_id)
 

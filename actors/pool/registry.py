@@ -5,6 +5,12 @@ dtype), price per hour, capacity, the weight version and digest it serves, reque
 assigned to it, health, and measurements: tokens generated, *busy* seconds (wall time
 with at least one request running, which is what a rented device is paid for while it
 works), mean request latency. From those: tokens/s and dollars per 1k generated tokens.
+
+Each request is charged its share of the busy time: while ``n`` requests run on a
+sampler, each second is split equally among them, so a request's busy seconds are the
+integral of ``1/n`` over the time it ran, and the requests' shares add up to the
+sampler's busy time. `started` returns a mark; `ended` turns it into the request's
+busy seconds (the pool prices them into `Generation.cost_usd`).
 The trainer reports the measured mismatch (k3 KL against its own log-probs) per
 (backend, device kind, dtype); the registry keeps the latest figure for each.
 
@@ -44,6 +50,9 @@ class SamplerRecord:
     busy_s: float = 0.0
     latency_total_s: float = 0.0
     _busy_since: float | None = field(default=None, repr=False)
+    _share: float = field(default=0.0, repr=False)
+    """Integral of 1 / running over busy time so far (seconds per running request)."""
+    _share_at: float = field(default=0.0, repr=False)
 
     @property
     def sampler_id(self) -> str:
@@ -74,6 +83,12 @@ class SamplerRecord:
 
     def latency_s(self) -> float | None:
         return self.latency_total_s / self.requests if self.requests else None
+
+    def _advance_share(self, now: float) -> float:
+        if self.running > 0:
+            self._share += (now - self._share_at) / self.running
+        self._share_at = now
+        return self._share
 
 
 class Registry:
@@ -125,20 +140,28 @@ class Registry:
     def assign(self, sampler_id: str) -> None:
         self.get(sampler_id).assigned += 1
 
-    def started(self, sampler_id: str, now: float) -> None:
+    def started(self, sampler_id: str, now: float) -> float:
+        """A request begins running; returns its mark for `ended`."""
         rec = self.get(sampler_id)
+        mark = rec._advance_share(now)
         if rec.running == 0:
             rec._busy_since = now
         rec.running += 1
+        return mark
 
     def ended(self, sampler_id: str, now: float, *, ran: bool, tokens: int = 0,
-              latency_s: float | None = None, failed: bool = False) -> None:
-        """A request assigned to the sampler is over (`ran`: it had been started)."""
+              latency_s: float | None = None, failed: bool = False, mark: float | None = None) -> float:
+        """A request assigned to the sampler is over (`ran`: it had been started, and
+        `mark` is what `started` returned). Returns the busy seconds charged to it."""
         rec = self._records.get(sampler_id)
         if rec is None:
-            return
+            return 0.0
         rec.assigned -= 1
+        charged = 0.0
         if ran:
+            share = rec._advance_share(now)
+            if mark is not None:
+                charged = max(share - mark, 0.0)
             rec.running -= 1
             if rec.running == 0 and rec._busy_since is not None:
                 rec.busy_s += now - rec._busy_since
@@ -150,6 +173,7 @@ class Registry:
             rec.requests += 1
             rec.latency_total_s += latency_s
             rec.last_seen = now
+        return charged
 
     def report_mismatch(self, backend: str, device_kind: str, dtype: str, kl: float) -> None:
         """The trainer's measured k3 KL between this kind of sampler and itself."""

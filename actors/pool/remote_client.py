@@ -19,7 +19,7 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Literal
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlsplit
 
 import msgspec
 import trio
@@ -170,12 +170,11 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
                      log: Any = None) -> bool:
     """One connection: join, serve until it ends. Returns whether it was welcomed."""
     codec = m.FLEET
-    query = urlencode({"price_per_hour": repr(float(cfg.price_per_hour))})
-    url = cfg.join_url + ("&" if "?" in cfg.join_url else "?") + query
-    async with connect(url) as ws:
+    async with connect(cfg.join_url) as ws:
         name = cfg.name or socket.gethostname()
         me = identity_of(name, backend)
-        await ws.send_message(codec.encode(m.Join(token=cfg.token, identity=me, capacity=cfg.capacity)))
+        await ws.send_message(codec.encode(m.Join(token=cfg.token, identity=me, capacity=cfg.capacity,
+                                                  price_per_hour=float(cfg.price_per_hour))))
         with trio.fail_after(60):
             reply = codec.decode(await ws.get_message())
         if isinstance(reply, m.Refused):

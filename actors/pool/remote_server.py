@@ -2,12 +2,14 @@
 
 Mounted on the daemon's control plane (``ctx.mount("/fleet", fleet_app(...), auth=False)``;
 the endpoint authenticates itself, so that a wrong token gets a `Refused` message that
-says why instead of a bare failed handshake). The route is ``<prefix>/join``; an optional
-query parameter ``price_per_hour`` tells the pool what the sampler's device costs.
+says why instead of a bare failed handshake). The route is ``<prefix>/join``. The
+sampler's device price travels in `Join.price_per_hour`; samplers of earlier releases
+put it in the query parameter ``price_per_hour``, which is still read when the `Join`
+carries no price.
 
 One binary WebSocket message = one msgpack message of the `FLEET` conversation:
 
-1. sampler -> daemon: `Join` (token, identity, protocol, capacity). A bad token, a
+1. sampler -> daemon: `Join` (token, identity, protocol, capacity, price per hour). A bad token, a
    first message that is not a `Join`, an undecodable frame or an old protocol is
    answered by `Refused(reason)` and the connection is closed (code 1008).
 2. daemon -> sampler: `Welcome` (assigned sampler id, run id, protocol, heartbeat
@@ -24,6 +26,7 @@ One binary WebSocket message = one msgpack message of the `FLEET` conversation:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import trio
@@ -125,8 +128,8 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
                 pass
 
         try:
-            price = float(ws.query_params.get("price_per_hour", "0"))
-            if not price >= 0 or price == float("inf"):
+            legacy_price = float(ws.query_params.get("price_per_hour", "0"))
+            if not (math.isfinite(legacy_price) and legacy_price >= 0):
                 raise ValueError
         except ValueError:
             await refuse(f"query parameter price_per_hour={ws.query_params.get('price_per_hour')!r} "
@@ -150,6 +153,7 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
         if hello.protocol < 1 or hello.protocol > PROTOCOL_VERSION:
             await refuse(f"protocol {hello.protocol} not supported (this daemon speaks 1..{PROTOCOL_VERSION})")
             return
+        price = hello.price_per_hour or legacy_price
         sid = pool.new_sampler_id("remote")
         identity = m.SamplerIdentity(sampler_id=sid, backend=hello.identity.backend,
                                      device_kind=hello.identity.device_kind, dtype=hello.identity.dtype)

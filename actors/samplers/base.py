@@ -21,8 +21,10 @@ themselves when built or decoded, so a malformed message names what is wrong.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "BackendBase",
     "BadGenerateRequest",
     "BadWeightUpdate",
     "Generation",
@@ -41,6 +44,7 @@ __all__ = [
     "SamplingParams",
     "WeightVersion",
     "check_prompts",
+    "files_digest",
 ]
 
 DType = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -266,3 +270,34 @@ class SamplerBackend(Protocol):
     def health(self) -> Health:
         """Run a small real forward pass and report whether the backend works."""
         ...
+
+
+class BackendBase:
+    """What every backend holds the same way: its identity, and the weight version the
+    next decode step will use. A backend sets ``_identity`` and ``_version`` (replacing
+    ``_version`` together with its weights, under its own lock)."""
+
+    _identity: SamplerIdentity
+    _version: WeightVersion
+
+    @property
+    def identity(self) -> SamplerIdentity:
+        """Backend name, device kind and weight dtype."""
+        return self._identity
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The version the next decode step will use."""
+        return self._version
+
+
+def files_digest(model_dir: str | Path) -> str:
+    """sha256 over the weight files (``*.safetensors``) of a model directory, in name
+    order: the digest of version 0 when a backend is started without one."""
+    h = hashlib.sha256()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(file.name.encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()

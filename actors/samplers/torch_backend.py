@@ -24,12 +24,10 @@ recomputation and the importance weights correct for that.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -37,6 +35,7 @@ import torch
 
 from fleetrl.actors.model.tiny_llama import read_llama_config, read_state_dict
 from fleetrl.actors.samplers.base import (
+    BackendBase,
     BadGenerateRequest,
     BadWeightUpdate,
     DType,
@@ -48,6 +47,7 @@ from fleetrl.actors.samplers.base import (
     SamplingParams,
     WeightVersion,
     check_prompts,
+    files_digest,
 )
 from fleetrl.actors.samplers.llama_forward import (
     KVCache,
@@ -111,7 +111,7 @@ class Fp8Weight:
 _Stored = torch.Tensor | Fp8Weight
 
 
-class TorchBackend:
+class TorchBackend(BackendBase):
     """Reference sampler backend (see the module docstring). Implements SamplerBackend."""
 
     def __init__(self, config: TorchBackendConfig, *, version: WeightVersion | None = None) -> None:
@@ -134,7 +134,7 @@ class TorchBackend:
         self._rope = RopeTable(self.shape, self._device)
         tensors = read_state_dict(config.model_dir)
         if version is None:
-            version = WeightVersion(0, _files_digest(config.model_dir))
+            version = WeightVersion(0, files_digest(config.model_dir))
         self._swap = threading.Lock()  # makes (weights, version) change and read as one
         self._weights: dict[str, _Stored] = {}
         self._version = version
@@ -146,14 +146,6 @@ class TorchBackend:
         self._identity = SamplerIdentity(backend="torch", device=kind, dtype=config.dtype)
 
     # -- SamplerBackend ---------------------------------------------------------------
-
-    @property
-    def identity(self) -> SamplerIdentity:
-        return self._identity
-
-    @property
-    def weight_version(self) -> WeightVersion:
-        return self._version
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """Generate for every prompt; versions may change between steps (see apply_update)."""
@@ -422,14 +414,3 @@ class DecodeRun:
             )
             for i in range(self._n)
         ]
-
-
-def _files_digest(model_dir: str) -> str:
-    """sha256 over the weight files of a model directory, in name order."""
-    h = hashlib.sha256()
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        h.update(file.name.encode())
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return "sha256:" + h.hexdigest()

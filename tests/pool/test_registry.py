@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleetrl.actors.pool.registry import Registry, UnknownSampler
 from fleetrl.daemon.messages import SamplerIdentity
@@ -55,3 +57,38 @@ def test_versions_liveness_and_mismatch():
         reg.get("zz")
     with pytest.raises(ValueError, match="sampler 'c': capacity must be >= 1"):
         reg.add(_ident("c"), price_per_hour=1.0, capacity=0, remote=False)
+
+
+def test_each_request_is_charged_its_share_of_the_busy_time():
+    reg = Registry()
+    reg.add(_ident(), price_per_hour=3600.0, capacity=2, remote=False)
+    reg.assign("s"); reg.assign("s")
+    a = reg.started("s", 0.0)
+    b = reg.started("s", 5.0)  # 5..10: two running, each second split in half
+    charged_a = reg.ended("s", 10.0, ran=True, tokens=10, latency_s=10.0, mark=a)
+    reg.assign("s")
+    c = reg.started("s", 10.0)  # 10..12 shared by b and c
+    charged_b = reg.ended("s", 12.0, ran=True, tokens=10, latency_s=7.0, mark=b)
+    charged_c = reg.ended("s", 20.0, ran=True, tokens=10, latency_s=10.0, mark=c)
+    assert (charged_a, charged_b, charged_c) == (7.5, 3.5, 9.0)
+    assert reg.get("s").busy_s == 20.0 == charged_a + charged_b + charged_c
+    assert reg.ended("nobody", 1.0, ran=True) == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 20)), min_size=1, max_size=12))
+def test_charges_add_up_to_the_busy_time(intervals):
+    """Whatever the overlap, the requests' charges sum to the sampler's busy seconds."""
+    reg = Registry()
+    reg.add(_ident(), price_per_hour=1.0, capacity=len(intervals), remote=False)
+    events = sorted([(s, 1, i) for i, (s, _) in enumerate(intervals)] +
+                    [(s + d, 0, i) for i, (s, d) in enumerate(intervals)])  # ends before starts at a tie
+    marks, charged = {}, {}
+    for t, kind, i in events:
+        if kind:
+            reg.assign("s")
+            marks[i] = reg.started("s", float(t))
+        else:
+            charged[i] = reg.ended("s", float(t), ran=True, tokens=1, latency_s=1.0, mark=marks[i])
+    assert sum(charged.values()) == pytest.approx(reg.get("s").busy_s)
+    assert all(0 < charged[i] <= d + 1e-9 for i, (_, d) in enumerate(intervals))

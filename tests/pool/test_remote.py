@@ -188,3 +188,25 @@ async def test_leave_removes_member(model_dir):
                 await ws.send_message(m.FLEET.encode(m.Leave(sampler_id=welcome.sampler_id, reason="bye")))
                 await pool.wait_dead(welcome.sampler_id)
             stop.set()
+
+
+async def test_price_comes_in_the_join_and_the_legacy_query_still_counts(model_dir):
+    pool = SamplerPool()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            url, stop = await _serve(n, pool, heartbeat_s=0.2, heartbeat_timeout_s=5.0)
+            prices = {}
+            for join_price, query in ((1.75, ""), (0.0, "?price_per_hour=0.25"), (3.0, "?price_per_hour=0.25")):
+                async with open_websocket_url(url + query) as ws:
+                    ident = m.SamplerIdentity(sampler_id="x", backend="fake", device_kind="cpu", dtype="float32")
+                    await ws.send_message(m.FLEET.encode(m.Join(token=TOKEN, identity=ident,
+                                                                price_per_hour=join_price)))
+                    welcome = m.FLEET.decode(await ws.get_message())
+                    await ws.send_message(m.FLEET.encode(m.SamplerStatus(
+                        sampler_id=welcome.sampler_id, version=0, digest="d", queue_depth=0, tokens_per_s=0.0)))
+                    await _wait_for(lambda: welcome.sampler_id in pool.handles)
+                    prices[(join_price, query)] = pool.registry.get(welcome.sampler_id).price_per_hour
+            # the Join's price wins; a sampler of an earlier release (no price in its Join) is
+            # priced by its query parameter
+            assert list(prices.values()) == [1.75, 0.25, 3.0]
+            stop.set()

@@ -99,3 +99,20 @@ def test_engine_side_names_resolve_to_the_classes():
     assert getattr(importlib.import_module(module), name) is vllm_worker.SupportProcessor
     module, _, name = vllm_backend.EXTENSION_CLASS.rpartition(".")
     assert getattr(importlib.import_module(module), name) is vllm_worker.FleetrlWorkerExtension
+
+
+def test_engine_start_scan_survives_numba_in_the_process():
+    """vLLM's CPU platform scans every module's globals at engine start; llvmlite (loaded
+    by the delta codec's numba kernels) answers any attribute, __dict__ included, with a
+    C symbol wrapper, which broke the scan. The backend gives it a real __dict__ first."""
+    import sys
+
+    from vllm.triton_utils.dispatcher import _rebind_kernels
+
+    import fleetrl.actors.weights.kernels  # noqa: F401 - loads numba and llvmlite
+    from fleetrl.actors.samplers.vllm_backend import _hide_llvmlite_from_kernel_scan
+
+    lib = sys.modules["llvmlite.binding.ffi"].lib
+    _hide_llvmlite_from_kernel_scan()
+    assert vars(lib) == {}
+    _rebind_kernels([])  # the scan an engine start runs, with nothing to rebind
