@@ -15,8 +15,14 @@ published step is encoded, and for each learning rate this prints:
 * encode and apply GB/s of weight bytes (apply = parse + verify + in-place XOR + hashes),
   by wall clock and per CPU-second (the machine is shared; the load average is printed);
   encode excludes hashing the new version, which the publisher does for its digest anyway;
-* the same encode and apply on one thread (the baseline: the codec before chunks were
-  spread over worker threads) and the speed-up of the default thread count over it;
+* the same encode and apply on one thread and the speed-up of the default thread count
+  over it;
+* the baseline apply of format 1 measured in the same run on the same delta: u32 gaps and
+  u16 XOR words (shuffle + zstd-1), decompressed on the same threads, positions by a numpy
+  cumsum, a fancy-indexed XOR and the same chunk hashes; and our speed-up over it;
+* position/value formats (split varints as stored, LEB128 in one stream, u8 gaps with
+  escapes, format 1's u32 gaps): size as % of bound, decompressed bytes per change and
+  single-thread decompression time, so the format is a measured choice;
 * alternatives (filters, split, codecs, block sizes, dense thresholds): size as % of bound
   and encode speed, so the defaults are a measured choice.
 
@@ -34,6 +40,7 @@ import time
 import blosc2
 import numpy as np
 import torch
+import xxhash
 
 from fleetrl.actors.weights import codec
 from fleetrl.actors.weights.metrics import entropy_bound_bytes
@@ -43,6 +50,7 @@ from fleetrl.actors.weights.version import (
     TensorSpec,
     chunk_hashes,
     digest_of,
+    parallel_map,
     u16_view,
 )
 
@@ -51,7 +59,7 @@ LRS = [1e-7, 1e-6, 3e-6, 1e-5]
 ALTERNATIVES = {
     "default (shuffle, split, zstd1)": codec.CodecParams(),
     "bitshuffle, split, zstd1": codec.CodecParams(filter="bitshuffle"),
-    "shuffle, no split, zstd1": codec.CodecParams(split=False),
+    "shuffle, no split, zstd1 (dense words)": codec.CodecParams(split=False),
     "no filter, zstd1": codec.CodecParams(filter="none", split=False),
     "shuffle, split, zstd3": codec.CodecParams(clevel=3),
     "shuffle, split, zstd9": codec.CodecParams(clevel=9),
@@ -130,6 +138,101 @@ def best_of(fn, reps: int):
     return best, out
 
 
+def _zstd1(arr: np.ndarray, typesize: int, filt=blosc2.Filter.SHUFFLE) -> list[bytes]:
+    """4 MiB parts, zstd-1, one blosc2 thread (as the codec writes its streams)."""
+    cp = dict(typesize=typesize, codec=blosc2.Codec.ZSTD, clevel=1, filters=[filt], filters_meta=[0],
+              splitmode=blosc2.SplitMode.ALWAYS_SPLIT, nthreads=1)
+    raw = arr.view(np.uint8)
+    return [blosc2.compress2(raw[i : i + (1 << 22)], **cp) for i in range(0, raw.size, 1 << 22)]
+
+
+def sparse_entries(d: codec.Delta) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per sparse chunk: u32 gaps and u16 XOR words (what format 1 stored)."""
+    gaps, words = [], []
+    for c in np.flatnonzero(d.kinds == codec.SPARSE).tolist():
+        pos, val = d.entries(c)
+        gaps.append(np.diff(pos, prepend=-1).astype(np.uint32) - np.uint32(1))
+        words.append(val)
+    return gaps, words
+
+
+def format1_apply(layout, d, gaps, words, work, old, reps, threads) -> float:
+    """Best wall seconds of the format-1 apply path on this delta: decompress u32 gaps and
+    u16 words (shuffle+split zstd-1 parts, on ``threads``), positions by numpy cumsum, a
+    fancy-indexed XOR per chunk and its hash. The baseline of the apply speed-up."""
+    streams = [(p, np.uint32) for p in _zstd1(np.concatenate(gaps), 4)] if gaps else []
+    streams += [(p, np.uint16) for p in _zstd1(np.concatenate(words), 2)] if words else []
+    sparse = np.flatnonzero(d.kinds == codec.SPARSE).tolist()
+    counts = [g.size for g in gaps]
+    offs = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    ramp = np.arange(max(counts, default=0), dtype=np.int64)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        raw = parallel_map(lambda i: blosc2.decompress2(streams[i][0], nthreads=1), range(len(streams)), threads)
+        g_all = np.frombuffer(b"".join(r for r, (_, t) in zip(raw, streams) if t is np.uint32), np.uint32)
+        w_all = np.frombuffer(b"".join(r for r, (_, t) in zip(raw, streams) if t is np.uint16), np.uint16)
+
+        def one(i: int) -> bytes:
+            c = sparse[i]
+            pos = np.cumsum(g_all[offs[i] : offs[i + 1]], dtype=np.int64)
+            pos += ramp[: pos.size]
+            seg = work[int(layout.tensor_of[c])][int(layout.starts[c]) : int(layout.stops[c])]
+            seg[pos] ^= w_all[offs[i] : offs[i + 1]]
+            return xxhash.xxh3_128_digest(seg)
+
+        got = parallel_map(one, range(len(sparse)), threads)
+        best = min(best, time.perf_counter() - t0)
+        assert got == [d.target_hashes[c] for c in sparse], "format-1 baseline is not exact"
+        for a, b in zip(work, old):
+            np.copyto(a, b)
+    return best
+
+
+def position_formats(d: codec.Delta, blob: bytes, bound: float) -> dict:
+    """Ways to store the same sparse entries: % of bound (the rest of the delta as
+    stored), decompressed bytes per change, single-thread decompression ms."""
+    gaps, words = sparse_entries(d)
+    if not gaps:
+        return {}
+    g = np.concatenate(gaps)
+    w = np.concatenate(words)
+    nbytes = np.ones(g.size, np.int64)
+    for k in (7, 14, 21, 28):
+        nbytes += g >= (1 << k)
+    at = np.cumsum(nbytes) - nbytes
+    leb = np.zeros(int(nbytes.sum()), np.uint8)
+    for j in range(5):
+        m = nbytes > j
+        leb[at[m] + j] = ((g[m] >> (7 * j)) & 0x7F).astype(np.uint8) | ((nbytes[m] > j + 1).astype(np.uint8) << 7)
+    B = blosc2.Filter.BITSHUFFLE
+    ours = [(d.gap_head, 1), (d.gap_tail, 1), (d.value_head, 1), (d.value_tail, 1)]
+    formats = {
+        "split varint gaps + words (ours, format 2)": ours,
+        "split varint gaps + words, bitshuffle": [(a, t, B) for a, t in ours],
+        "split varint gaps + u16 words": [(d.gap_head, 1), (d.gap_tail, 1), (w, 2)],
+        "LEB128 gaps in one stream + u16 words": [(leb, 1), (w, 2)],
+        "u8 gaps, 255 = escape to u32 side + u16 words": [(np.minimum(g, 255).astype(np.uint8), 1),
+                                                          (g[g >= 255], 4), (w, 2)],
+        "u32 gaps + u16 words (format 1)": [(g, 4), (w, 2)],
+    }
+    stored = {name: [p for a, t, *f in parts if a.size for p in _zstd1(a, t, *f)]
+              for name, parts in formats.items()}
+    rest = len(blob) - sum(map(len, stored["split varint gaps + words (ours, format 2)"]))
+    out = {}
+    for name, parts in stored.items():
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for p in parts:
+                blosc2.decompress2(p, nthreads=1)
+            best = min(best, time.perf_counter() - t0)
+        out[name] = {"pct_of_bound": 100 * bound / (rest + sum(map(len, parts))),
+                     "raw_bytes_per_change": sum(a.nbytes for a, *_ in formats[name]) / g.size,
+                     "decompress_ms_1thread": 1e3 * best}
+    return out
+
+
 def measure(layout, old, new, reps: int, alternatives: bool, threads: int = DEFAULT_THREADS) -> dict:
     total = layout.numel
     wbytes = 2 * total
@@ -145,7 +248,7 @@ def measure(layout, old, new, reps: int, alternatives: bool, threads: int = DEFA
     enc_cpu = best_of.cpu
     enc1_s, (_, blob1) = best_of(lambda: enc(threads=1), reps)
     assert blob1 == blob, "the thread count changed the bytes"
-    values = np.concatenate([d.values, d.dense[d.dense != 0]])
+    values = d.xor_words()
     bound = entropy_bound_bytes(total, values)
     work = [a.copy() for a in old]
 
@@ -161,10 +264,22 @@ def measure(layout, old, new, reps: int, alternatives: bool, threads: int = DEFA
                 np.copyto(a, b)
         return times, cpu
 
+    def timed_apply_blob(b) -> float:
+        t0 = time.perf_counter()
+        codec.apply(work, b, layout, current_version=0, current_digest=base_digest, threads=threads)
+        took = time.perf_counter() - t0
+        for a, o in zip(work, old):
+            np.copyto(a, o)
+        return took
+
     apply1_times, _ = timed_apply(1)
     apply_times, apply_cpu = timed_apply(threads)
+    gaps, words = sparse_entries(d)
+    v1_apply = format1_apply(layout, d, gaps, words, work, old, reps, threads)
     codec.apply(work, blob, layout, current_version=0, current_digest=base_digest)
     assert all(np.array_equal(a, b) for a, b in zip(work, new)), "delta is not exact"
+    for a, b in zip(work, old):
+        np.copyto(a, b)
     row = {
         "changed_fraction": values.size / total,
         "bound_ratio": wbytes / bound,
@@ -178,6 +293,7 @@ def measure(layout, old, new, reps: int, alternatives: bool, threads: int = DEFA
         "threads": threads,
         "encode_1thread_GBps": wbytes / enc1_s / 1e9,
         "apply_1thread_GBps": wbytes / min(apply1_times) / 1e9,
+        "apply_format1_numpy_GBps": wbytes / v1_apply / 1e9,
         # per CPU-second (all threads): what the code costs when the 2 cores are shared
         "encode_GB_per_cpu_s": wbytes / enc_cpu / 1e9,
         "apply_GB_per_cpu_s": wbytes / min(apply_cpu) / 1e9,
@@ -186,11 +302,14 @@ def measure(layout, old, new, reps: int, alternatives: bool, threads: int = DEFA
         "sparse_chunks": int((d.kinds == codec.SPARSE).sum()),
         "dense_chunks": int((d.kinds == codec.DENSE).sum()),
     }
+    row["formats"] = position_formats(d, blob, bound)
     if alternatives:
         alts = {}
         for name, params in ALTERNATIVES.items():
             s, (_, b) = best_of(lambda p=params: enc(p), 1)
-            alts[name] = {"pct_of_bound": 100 * bound / len(b), "encode_GBps": wbytes / s / 1e9}
+            a = timed_apply_blob(b)
+            alts[name] = {"pct_of_bound": 100 * bound / len(b), "encode_GBps": wbytes / s / 1e9,
+                          "apply_GBps": wbytes / a / 1e9}
         row["alternatives"] = alts
     return row
 
@@ -235,17 +354,25 @@ def main() -> None:
         print(f"  encode {row['encode_GBps']:.2f} GB/s, apply {row['apply_GBps']:.2f} GB/s wall (of weight bytes); "
               f"per CPU-second: encode {row['encode_GB_per_cpu_s']:.2f}, apply {row['apply_GB_per_cpu_s']:.2f}; "
               f"load average {row['load_avg_1min']:.1f}")
-        print(f"  baseline, 1 thread: encode {row['encode_1thread_GBps']:.2f} GB/s, apply "
+        print(f"  1 thread: encode {row['encode_1thread_GBps']:.2f} GB/s, apply "
               f"{row['apply_1thread_GBps']:.2f} GB/s; {row['threads']} threads are "
               f"{row['encode_GBps'] / row['encode_1thread_GBps']:.2f}x / "
               f"{row['apply_GBps'] / row['apply_1thread_GBps']:.2f}x faster")
+        print(f"  baseline: format-1 numpy apply {row['apply_format1_numpy_GBps']:.2f} GB/s on "
+              f"{row['threads']} threads; ours is {row['apply_GBps'] / row['apply_format1_numpy_GBps']:.2f}x faster")
+        for name, f in row["formats"].items():
+            print(f"    format {name:46s} {f['pct_of_bound']:6.1f}% of bound, "
+                  f"{f['raw_bytes_per_change']:.2f} raw B/change, decompress {f['decompress_ms_1thread']:.1f} ms")
         for name, a in row.get("alternatives", {}).items():
-            print(f"    alt {name:38s} {a['pct_of_bound']:6.1f}% of bound, encode {a['encode_GBps']:.2f} GB/s")
+            print(f"    alt {name:38s} {a['pct_of_bound']:6.1f}% of bound, encode {a['encode_GBps']:.2f} GB/s, "
+                  f"apply {a['apply_GBps']:.2f} GB/s")
     worst = min(r["pct_of_bound"] for r in results.values())
     summary = {
         "bench": "deltas",
         "params": layout.numel,
-        "results": {lr: {k: v for k, v in r.items() if k != "alternatives"} for lr, r in results.items()},
+        "results": {lr: {k: v for k, v in r.items() if k not in ("alternatives", "formats")}
+                    for lr, r in results.items()},
+        "formats": {lr: r["formats"] for lr, r in results.items()},
         "alternatives": {lr: r.get("alternatives") for lr, r in results.items()},
         "min_pct_of_bound": worst,
         "min_encode_GBps": min(r["encode_GBps"] for r in results.values()),

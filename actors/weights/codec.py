@@ -5,16 +5,17 @@ layout (see :mod:`.version`) it records one of:
 
 * ``UNCHANGED`` - nothing changed; costs one byte in the chunk table;
 * ``SPARSE``    - the positions of the changed elements, as gaps, and the XOR of their
-  old and new bf16 bit patterns (exact; no float arithmetic anywhere);
+  old and new bf16 bit patterns (exact; no float arithmetic anywhere), both as *split
+  varints* (:mod:`.kernels`): about one byte per gap and one per XOR word;
 * ``DENSE``     - the XOR of every element of the chunk (for chunks where more than
   ``dense_threshold`` of the elements changed).
 
-All sparse gaps of a delta form one stream (uint32), all sparse XOR values another
-(uint16), all dense XOR words a third (uint16); each is compressed with blosc2 (by
-default zstd level 1, byte shuffle, each byte plane compressed separately). The header
-carries the run, model fingerprint, base/target version and digest, the chunk table
-with each changed chunk's target hash, and each stream's hash; a trailer hash covers
-every byte. The byte layout is in docs/delta-format.md.
+A delta has five streams: gap heads, gap tails, XOR-word heads, XOR-word tails (all
+bytes, every sparse chunk's in chunk order) and dense words (uint16); each is compressed
+with blosc2 (by default zstd level 1). The header carries the run, model fingerprint,
+base/target version and digest, the chunk table (kinds; entries and tail bytes of each
+sparse chunk; each changed chunk's target hash) and each stream's hash; a trailer hash
+covers every byte. The byte layout is in docs/delta-format.md.
 
 An *anchor* is a delta whose base is the all-zero model (base version ``NO_VERSION``):
 applying it to zeroed weights yields the version, so anchors, deltas and their
@@ -22,18 +23,21 @@ compositions share one format and one code path.
 
 Applying is in place and transactional: everything that can be checked before touching
 the weights is (trailer, structure, stream hashes, fingerprint, base version and
-digest); each chunk is then XOR-scattered and its target hash verified, and on any
-mismatch every chunk already touched is XORed back (XOR is its own inverse).
+digest); each chunk is then XOR-scattered by a compiled kernel that decodes gaps ->
+positions -> XOR in one pass (and checks every position lies inside the chunk), and its
+target hash is verified; on any failure every chunk already touched is XORed back (XOR
+is its own inverse).
 
-Speed: all per-chunk work (diff, gap coding, gaps -> positions, scatter-XOR, hashing)
-and the stream parts' (de)compression run on a small shared thread pool
-(:func:`.version.parallel_map`, ``threads`` arguments, default 2); numpy, xxhash and
-blosc2 release the GIL for it. Chunks are disjoint and parts are compressed with one
-blosc2 thread each, so bytes, results and undo do not depend on the thread count.
+Speed: per-chunk work (diff, varint coding, scatter-XOR, hashing) and the stream parts'
+(de)compression run on a small shared thread pool (:func:`.version.parallel_map`,
+``threads`` arguments, default 2); the numba kernels, xxhash and blosc2 release the GIL.
+Chunks are disjoint and parts are compressed with one blosc2 thread each, so bytes,
+results and undo do not depend on the thread count.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 from collections.abc import Sequence
@@ -44,6 +48,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from . import kernels
 from .version import NO_VERSION, Layout, chunk_hashes, digest_of, parallel_map
 
 __all__ = [
@@ -52,6 +57,7 @@ __all__ = [
     "UNCHANGED",
     "SPARSE",
     "DENSE",
+    "STREAMS",
     "CodecParams",
     "DeltaError",
     "DeltaFormatError",
@@ -71,16 +77,20 @@ __all__ = [
 ]
 
 MAGIC = b"FRLD"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 UNCHANGED, SPARSE, DENSE = 0, 1, 2
 _HASH = 16
-_PART_BYTES = 1 << 22  # raw bytes per blosc2 chunk of a stream (4 MiB): parts are
-# compressed on the worker threads, one blosc2 thread each, so the bytes do not depend on
-# the thread count (blosc2's own threads write blocks in completion order)
+_PART_BYTES = 1 << 20  # raw bytes per blosc2 chunk of a stream (1 MiB): parts are
+# (de)compressed on the worker threads, one blosc2 thread each, so the bytes do not depend
+# on the thread count (blosc2's own threads write blocks in completion order); 1 MiB parts
+# keep two threads evenly busy on a few MiB of heads at no measurable cost in size
 
 _FIXED = struct.Struct("<4sHBB16sQ16sQ16sIIIIQH")
 _STREAM = struct.Struct("<QQ16s")
-_STREAM_NAMES = ("gaps", "values", "dense")
+STREAMS = ("gap_head", "gap_tail", "value_head", "value_tail", "dense")
+"""The streams of a delta, in stored order."""
+_ITEMSIZE = (1, 1, 1, 1, 2)
+_DTYPE = (np.uint8, np.uint8, np.uint8, np.uint8, np.uint16)
 
 
 class DeltaError(ValueError):
@@ -104,13 +114,17 @@ class CodecParams(msgspec.Struct, frozen=True):
 
     codec: str = "zstd"
     clevel: int = 1
-    filter: str = "shuffle"  # "shuffle" | "bitshuffle" | "none"
-    split: bool = True  # compress each byte plane separately
+    filter: str = "shuffle"  # "shuffle" | "bitshuffle" | "none" (a no-op on byte streams)
+    split: bool = True  # compress each byte plane separately (dense words)
     blocksize: int = 0  # 0: blosc2 picks
     dense_threshold: float = 0.25  # changed fraction above which a chunk goes dense
     # blosc2 threads per stream part; 0: one (parts already run on the codec's worker
     # threads, and one thread keeps the bytes reproducible, see docs/delta-format.md)
     nthreads: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.dense_threshold <= 1.0:
+            raise ValueError(f"CodecParams.dense_threshold must be in [0, 1], got {self.dense_threshold}")
 
     def cparams(self, typesize: int) -> dict:
         codecs = {"zstd": blosc2.Codec.ZSTD, "lz4": blosc2.Codec.LZ4, "zlib": blosc2.Codec.ZLIB,
@@ -121,7 +135,7 @@ class CodecParams(msgspec.Struct, frozen=True):
             raise ValueError(f"CodecParams.codec must be one of {sorted(codecs)}, got {self.codec!r}")
         if self.filter not in filters:
             raise ValueError(f"CodecParams.filter must be one of {sorted(filters)}, got {self.filter!r}")
-        out = dict(
+        return dict(
             typesize=typesize,
             codec=codecs[self.codec],
             clevel=self.clevel,
@@ -129,10 +143,8 @@ class CodecParams(msgspec.Struct, frozen=True):
             filters_meta=[0],
             splitmode=blosc2.SplitMode.ALWAYS_SPLIT if self.split else blosc2.SplitMode.NEVER_SPLIT,
             blocksize=self.blocksize,
+            nthreads=self.nthreads or 1,
         )
-        if self.nthreads:
-            out["nthreads"] = self.nthreads
-        return out
 
 
 DEFAULT_PARAMS = CodecParams()
@@ -140,11 +152,12 @@ DEFAULT_PARAMS = CodecParams()
 
 @dataclass(frozen=True, eq=False)
 class Delta:
-    """A decoded delta. Positions are relative to their chunk's start.
+    """A decoded delta, its sparse chunks still in split-varint form (what the kernels
+    read; positions are decoded per chunk on demand by :meth:`entries`).
 
-    ``counts[c]`` is the number of sparse entries of chunk ``c`` (0 unless SPARSE);
-    sparse entries of all chunks are concatenated in chunk order in ``positions`` /
-    ``values``; dense chunks' XOR words are concatenated in ``dense``;
+    ``table[c]`` is ``(entries, gap tail bytes, value tail bytes)`` of chunk ``c`` (all 0
+    unless SPARSE); every sparse chunk's bytes are concatenated in chunk order in the
+    four byte streams; dense chunks' XOR words are concatenated in ``dense``;
     ``target_hashes[c]`` is the chunk's hash after applying (``b""`` if UNCHANGED).
     """
 
@@ -156,21 +169,32 @@ class Delta:
     target_version: int
     target_digest: bytes
     kinds: np.ndarray  # uint8 [n_chunks]
-    counts: np.ndarray  # int64 [n_chunks]
+    table: np.ndarray  # int64 [n_chunks, 3]
     target_hashes: tuple[bytes, ...]
-    positions: np.ndarray  # int64
-    values: np.ndarray  # uint16
+    gap_head: np.ndarray  # uint8, one per entry
+    gap_tail: np.ndarray  # uint8
+    value_head: np.ndarray  # uint8, one per entry
+    value_tail: np.ndarray  # uint8
     dense: np.ndarray  # uint16
-    sparse_offsets: np.ndarray = field(init=False)  # int64 [n_chunks + 1]
+    offsets: np.ndarray = field(init=False)  # int64 [n_chunks + 1, 3]: where each chunk's bytes start
 
     def __post_init__(self) -> None:
-        off = np.zeros(len(self.counts) + 1, dtype=np.int64)
-        np.cumsum(self.counts, out=off[1:])
-        object.__setattr__(self, "sparse_offsets", off)
+        off = np.zeros((len(self.kinds) + 1, 3), dtype=np.int64)
+        np.cumsum(self.table, axis=0, out=off[1:])
+        object.__setattr__(self, "offsets", off)
 
     @property
     def n_chunks(self) -> int:
         return len(self.kinds)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Sparse entries per chunk (int64 [n_chunks])."""
+        return self.table[:, 0]
+
+    @property
+    def n_entries(self) -> int:
+        return int(self.gap_head.size)
 
     @property
     def is_anchor(self) -> bool:
@@ -184,14 +208,39 @@ class Delta:
     @property
     def changed_elements(self) -> int:
         """Number of elements whose bits change (dense chunks counted exactly)."""
-        return int(self.positions.size + np.count_nonzero(self.dense))
+        return self.n_entries + int(np.count_nonzero(self.dense))
+
+    def streams(self) -> tuple[np.ndarray, ...]:
+        """The five raw streams, in :data:`STREAMS` order."""
+        return self.gap_head, self.gap_tail, self.value_head, self.value_tail, self.dense
+
+    def varints(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Chunk ``c``'s gap heads, gap tails, value heads, value tails (views)."""
+        (e0, g0, v0), (e1, g1, v1) = self.offsets[c].tolist(), self.offsets[c + 1].tolist()
+        return self.gap_head[e0:e1], self.gap_tail[g0:g1], self.value_head[e0:e1], self.value_tail[v0:v1]
+
+    def entries(self, c: int, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk ``c``'s positions (int64, relative to the chunk, in a chunk of ``n``
+        elements, default ``chunk_elems``) and XOR words (uint16); DeltaFormatError if
+        they are malformed."""
+        gh, gt, vh, vt = self.varints(c)
+        pos, val = np.empty(gh.size, np.int64), np.empty(gh.size, np.uint16)
+        err = kernels.decode_entries(gh, gt, vh, vt, self.chunk_elems if n is None else n, pos, val)
+        if err:
+            raise DeltaFormatError(f"chunk {c}: {kernels.error_text(err)}")
+        return pos, val
+
+    def xor_words(self) -> np.ndarray:
+        """Every non-zero XOR word of the delta (sparse entries, then dense words)."""
+        parts = [self.entries(c)[1] for c in np.flatnonzero(self.kinds == SPARSE).tolist()]
+        parts.append(self.dense[self.dense != 0])
+        return np.concatenate(parts)
 
     def chunk(self, c: int, layout: Layout) -> tuple[int, np.ndarray | None, np.ndarray | None]:
-        """``(kind, positions or dense words, values or None)`` of chunk ``c``."""
+        """``(kind, positions or dense words, values or None)`` of chunk ``c``, decoded."""
         kind = int(self.kinds[c])
         if kind == SPARSE:
-            lo, hi = self.sparse_offsets[c], self.sparse_offsets[c + 1]
-            return kind, self.positions[lo:hi], self.values[lo:hi]
+            return (kind, *self.entries(c, int(layout.lengths[c])))
         if kind == DENSE:
             lo, hi = self._dense_offsets(layout)[c]
             return kind, self.dense[lo:hi], None
@@ -209,19 +258,55 @@ class Delta:
         return cache
 
 
-@dataclass(frozen=True)
 class ChangedRange:
     """Elements of tensor ``tensor`` touched by an apply: ``start + positions`` (flat
     indices into the tensor; positions are relative to ``start``, as in the delta) or,
-    when ``positions`` is None, all of ``[start, stop)``."""
+    when ``positions`` is None, all of ``[start, stop)``. Positions are decoded from the
+    delta when first read (a bf16 follower never needs them)."""
 
-    tensor: int
-    start: int
-    stop: int
-    positions: np.ndarray | None
+    __slots__ = ("tensor", "start", "stop", "_delta", "_chunk", "_positions")
+
+    def __init__(self, tensor: int, start: int, stop: int, delta: Delta | None = None, chunk: int = -1):
+        self.tensor, self.start, self.stop = tensor, start, stop
+        self._delta, self._chunk, self._positions = delta, chunk, None
+
+    @property
+    def positions(self) -> np.ndarray | None:
+        if self._delta is None:
+            return None
+        if self._positions is None:
+            self._positions = self._delta.entries(self._chunk, self.stop - self.start)[0]
+        return self._positions
+
+    def __repr__(self) -> str:
+        kind = "all" if self._delta is None else f"{int(self._delta.counts[self._chunk])} positions"
+        return f"ChangedRange(tensor={self.tensor}, [{self.start}, {self.stop}), {kind})"
 
 
 # ----------------------------------------------------------------------------- encode
+
+_SPARSE_PIECES = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _assemble(layout: Layout, kinds: list[int], pieces: list, hashes: Sequence[bytes], *, run: str,
+              base_version: int, base_digest: bytes, target_version: int, target_digest: bytes) -> Delta:
+    """A Delta from per-chunk ``kinds`` and pieces (SPARSE: the four varint arrays,
+    DENSE: the XOR words, UNCHANGED: None)."""
+    n = layout.n_chunks
+    table = np.zeros((n, 3), dtype=np.int64)
+    sparse = [(c, p) for c, (k, p) in enumerate(zip(kinds, pieces)) if k == SPARSE]
+    for c, (gh, gt, _, vt) in sparse:
+        table[c] = gh.size, gt.size, vt.size
+    streams = [_cat([p[i] for _, p in sparse], np.uint8) for i in range(4)]
+    return Delta(
+        run=run, fingerprint=layout.fingerprint, chunk_elems=layout.chunk_elems,
+        base_version=base_version, base_digest=base_digest,
+        target_version=target_version, target_digest=target_digest,
+        kinds=np.asarray(kinds, dtype=np.uint8).reshape(n), table=table,
+        target_hashes=tuple(b"" if k == UNCHANGED else h for k, h in zip(kinds, hashes)),
+        gap_head=streams[0], gap_tail=streams[1], value_head=streams[2], value_tail=streams[3],
+        dense=_cat([p for k, p in zip(kinds, pieces) if k == DENSE], np.uint16),
+    )
 
 
 def build(
@@ -240,8 +325,9 @@ def build(
     """Diff ``old`` -> ``new`` (flat uint16 views in layout order; ``old=None`` means zeros).
 
     ``target_hashes`` (the chunk hashes of ``new``) may be passed when already known.
-    Chunks are diffed on ``threads`` workers (default :data:`.version.DEFAULT_THREADS`);
-    the result does not depend on the thread count.
+    Chunks are diffed on ``threads`` workers (default :data:`.version.DEFAULT_THREADS`),
+    each in one compiled pass (XOR, gaps, varints); the result does not depend on the
+    thread count.
     """
     layout.check_arrays(new, "new weights")
     if old is not None:
@@ -254,57 +340,47 @@ def build(
     width = int(layout.lengths.max(initial=0))
     threshold = params.dense_threshold
 
-    def diff(c: int) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+    def diff(c: int):
         t, lo, hi = tensor_of[c], starts[c], stops[c]
-        n = hi - lo
-        x_buf, mask_buf = _scratch(width)
         seg_new = new[t][lo:hi]
-        # one XOR pass, a bool mask of it and the mask's nonzero(): nonzero() on a bool
-        # mask is several times faster than on uint16, and gathering the XOR words once
-        # beats gathering old and new and XOR-ing the gathers (15% less CPU at 1.7% and
-        # at 11% changed on the bench's data)
-        x = seg_new if old is None else np.bitwise_xor(old[t][lo:hi], seg_new, out=x_buf[:n])
-        mask = np.not_equal(x, 0, out=mask_buf[:n])
-        k = int(np.count_nonzero(mask))
+        seg_old = seg_new if old is None else old[t][lo:hi]
+        gh, gt, vh, vt = _scratch(width)
+        k, nt_g, nt_v = kernels.diff_chunk(seg_old, seg_new, old is not None,
+                                           math.floor(threshold * (hi - lo)), gh, gt, vh, vt)
         if k == 0:
-            return UNCHANGED, None, None
-        if k > threshold * n:
-            return DENSE, x.copy(), None
-        nz = np.flatnonzero(mask)
-        return SPARSE, nz, x[nz]
+            return UNCHANGED, None
+        if k < 0:
+            return DENSE, seg_new.copy() if old is None else np.bitwise_xor(seg_old, seg_new)
+        return SPARSE, (gh[:k].copy(), gt[:nt_g].copy(), vh[:k].copy(), vt[:nt_v].copy())
 
     parts = parallel_map(diff, range(layout.n_chunks), threads)
-    kinds = np.fromiter((p[0] for p in parts), dtype=np.uint8, count=len(parts))
-    counts = np.fromiter((p[1].size if p[0] == SPARSE else 0 for p in parts), dtype=np.int64,
-                         count=len(parts))
-    hashes = tuple(b"" if p[0] == UNCHANGED else h for p, h in zip(parts, target_hashes))
-    return Delta(
-        run=run,
-        fingerprint=layout.fingerprint,
-        chunk_elems=layout.chunk_elems,
-        base_version=base_version,
-        base_digest=base_digest,
-        target_version=target_version,
-        target_digest=digest_of(target_hashes),
-        kinds=kinds,
-        counts=counts,
-        target_hashes=hashes,
-        positions=_cat([p[1] for p in parts if p[0] == SPARSE], np.int64),
-        values=_cat([p[2] for p in parts if p[0] == SPARSE], np.uint16),
-        dense=_cat([p[1] for p in parts if p[0] == DENSE], np.uint16),
-    )
+    return _assemble(layout, [p[0] for p in parts], [p[1] for p in parts], target_hashes, run=run,
+                     base_version=base_version, base_digest=base_digest,
+                     target_version=target_version, target_digest=digest_of(target_hashes))
 
 
 _local = threading.local()
 
 
-def _scratch(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """This thread's reusable XOR and mask buffers of at least ``n`` elements (no page
-    faults from a fresh 2 MiB allocation per chunk)."""
+def _scratch(n: int) -> _SPARSE_PIECES:
+    """This thread's reusable varint buffers for a chunk of up to ``n`` elements (no page
+    faults from fresh allocations per chunk)."""
     bufs = getattr(_local, "bufs", None)
     if bufs is None or bufs[0].size < n:
-        bufs = _local.bufs = (np.empty(n, dtype=np.uint16), np.empty(n, dtype=bool))
+        g_tail, v_tail = kernels.tail_bound(n)
+        bufs = _local.bufs = (np.empty(n, np.uint8), np.empty(g_tail, np.uint8),
+                              np.empty(n, np.uint8), np.empty(v_tail, np.uint8))
     return bufs
+
+
+def _varints(positions: np.ndarray, values: np.ndarray) -> _SPARSE_PIECES:
+    """Split-varint arrays of sorted, distinct ``positions`` and non-zero ``values``."""
+    k = positions.size
+    gh, vh = np.empty(k, np.uint8), np.empty(k, np.uint8)
+    g_tail, v_tail = kernels.tail_bound(int(positions[-1]) + 1 if k else 0)
+    gt, vt = np.empty(g_tail, np.uint8), np.empty(min(v_tail, 2 * k), np.uint8)
+    nt_g, nt_v = kernels.encode_entries(positions, values, gh, gt, vh, vt)
+    return gh, gt[:nt_g].copy(), vh, vt[:nt_v].copy()
 
 
 def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
@@ -347,66 +423,99 @@ def encode_anchor(
     return serialize(d, params, threads=threads)
 
 
-def _gaps(d: Delta, threads: int | None = None) -> np.ndarray:
-    """Per-chunk gap coding: gap[0] = pos[0], gap[i] = pos[i] - pos[i-1] - 1 (uint32).
+# ----------------------------------------------------------------------------- streams
 
-    Computed chunk by chunk on ``threads`` workers straight into the uint32 output
-    (positions are < chunk_elems <= 2**31, so every gap fits).
-    """
-    pos = d.positions
-    out = np.empty(pos.size, dtype=np.uint32)
-    off = d.sparse_offsets.tolist()
 
-    def one(c: int) -> None:
-        lo, hi = off[c], off[c + 1]
-        out[lo] = pos[lo]
-        g = out[lo + 1 : hi]
-        np.subtract(pos[lo + 1 : hi], pos[lo : hi - 1], out=g, casting="unsafe")
-        g -= np.uint32(1)
-
-    parallel_map(one, np.flatnonzero(d.counts).tolist(), threads)
+def _pack_streams(arrays: Sequence[np.ndarray], params: CodecParams, threads: int | None) -> list[bytes]:
+    """Every stream in its stored form: nothing when empty, else a u32 part count, the
+    u64 stored length of each part, then the parts (blosc2 chunks of at most
+    ``_PART_BYTES`` raw bytes). All parts of all streams are compressed on ``threads``
+    workers, each with ``params.nthreads`` blosc2 threads (0: one, which keeps the bytes
+    reproducible)."""
+    jobs: list[tuple[int, np.ndarray, dict]] = []
+    for s, arr in enumerate(arrays):
+        raw, cp = arr.view(np.uint8), params.cparams(arr.itemsize)
+        step = _PART_BYTES - _PART_BYTES % arr.itemsize
+        jobs.extend((s, raw[i : i + step], cp) for i in range(0, raw.size, step))
+    packed = parallel_map(lambda j: blosc2.compress2(jobs[j][1], **jobs[j][2]), range(len(jobs)), threads)
+    out = []
+    for s in range(len(arrays)):
+        parts = [p for (js, _, _), p in zip(jobs, packed) if js == s]
+        head = struct.pack(f"<I{len(parts)}Q", len(parts), *(len(p) for p in parts)) if parts else b""
+        out.append(head + b"".join(parts))
     return out
 
 
-def _pack_stream(arr: np.ndarray, params: CodecParams, threads: int | None = None) -> bytes:
-    """A stream: u32 part count, u64 compressed length of each part, then the parts.
+def _unpack_streams(stored: Sequence[memoryview], raw_lens: Sequence[int],
+                    threads: int | None) -> list[np.ndarray]:
+    """Inverse of :func:`_pack_streams`. Each stream's part table is checked against its
+    raw length first; then all parts of all streams are decompressed on ``threads``
+    workers (one blosc2 thread each) straight into the outputs."""
+    outs, jobs = [], []
+    for name, data, raw_len in zip(STREAMS, stored, raw_lens):
+        out = np.empty(raw_len, dtype=np.uint8)
+        outs.append(out)
+        jobs.extend((name, i, part, out[lo:hi]) for i, (part, lo, hi) in enumerate(_parts(name, data, raw_len)))
 
-    Parts are compressed on ``threads`` workers; each uses ``params.nthreads`` blosc2
-    threads (0: one, which keeps the bytes reproducible)."""
-    raw = arr.view(np.uint8)
-    if raw.size == 0:
-        return b""
-    cp = params.cparams(arr.itemsize)
-    cp.setdefault("nthreads", 1)
-    step = _PART_BYTES - _PART_BYTES % arr.itemsize
-    parts = parallel_map(lambda i: blosc2.compress2(raw[i : i + step], **cp),
-                         range(0, raw.size, step), threads)
-    head = struct.pack(f"<I{len(parts)}Q", len(parts), *(len(p) for p in parts))
-    return head + b"".join(parts)
+    def one(j: int) -> Exception | None:
+        _, _, part, dst = jobs[j]
+        try:
+            blosc2.decompress2(part, dst=dst, nthreads=1)
+        except Exception as e:  # noqa: BLE001 - reported below with the part's index
+            return e
+        return None
+
+    for (name, i, _, _), e in zip(jobs, parallel_map(one, range(len(jobs)), threads)):
+        if e is not None:
+            raise DeltaFormatError(f"stream {name!r} part {i}: cannot decompress ({e})") from e
+    return [o.view(dt) for o, dt in zip(outs, _DTYPE)]
+
+
+def _parts(name: str, data: memoryview, raw_len: int) -> list[tuple[memoryview, int, int]]:
+    """``(stored part, raw start, raw stop)`` of one stored stream, every size checked."""
+    if raw_len == 0:
+        if len(data):
+            raise DeltaFormatError(f"stream {name!r}: {len(data)} bytes for an empty stream")
+        return []
+    r = _Reader(data)
+    (n_parts,) = struct.unpack("<I", r.take(4, f"stream {name!r} part count"))
+    sizes = struct.unpack(f"<{n_parts}Q", r.take(8 * n_parts, f"stream {name!r} part sizes"))
+    out, at = [], 0
+    for i, sz in enumerate(sizes):
+        part = r.take(sz, f"stream {name!r} part {i}")
+        try:
+            nbytes = blosc2.get_cbuffer_sizes(part)[0]
+        except Exception as e:  # blosc2 raises several types for garbage headers
+            raise DeltaFormatError(f"stream {name!r} part {i}: not a blosc2 chunk ({e})") from e
+        if at + nbytes > raw_len:
+            raise DeltaFormatError(f"stream {name!r}: parts exceed the declared {raw_len} bytes")
+        out.append((part, at, at + nbytes))
+        at += nbytes
+    if at != raw_len or r.at != len(data):
+        raise DeltaFormatError(f"stream {name!r}: parts hold {at} bytes, header says {raw_len}")
+    return out
 
 
 def serialize(d: Delta, params: CodecParams = DEFAULT_PARAMS, *, threads: int | None = None) -> bytes:
-    """Bytes of ``d`` in format version 1 (docs/delta-format.md)."""
+    """Bytes of ``d`` in format version 2 (docs/delta-format.md)."""
     run = d.run.encode()
     if len(run) > 0xFFFF:
         raise ValueError("run id longer than 65535 bytes")
-    streams = [_pack_stream(_gaps(d, threads), params, threads),
-               _pack_stream(d.values, params, threads), _pack_stream(d.dense, params, threads)]
-    raws = [d.positions.size * 4, d.values.size * 2, d.dense.size * 2]
+    raw = d.streams()
+    stored = _pack_streams(raw, params, threads)
     sparse = d.kinds == SPARSE
     changed = [h for h in d.target_hashes if h]
     out = [
         _FIXED.pack(MAGIC, FORMAT_VERSION, 0, 0, d.fingerprint, d.base_version, d.base_digest,
                     d.target_version, d.target_digest, d.chunk_elems, d.n_chunks,
-                    int(sparse.sum()), len(changed), int(d.positions.size), len(run)),
+                    int(sparse.sum()), len(changed), d.n_entries, len(run)),
         run,
     ]
-    for s, raw in zip(streams, raws):
-        out.append(_STREAM.pack(len(s), raw, xxhash.xxh3_128_digest(s)))
+    out.extend(_STREAM.pack(len(s), r.nbytes, xxhash.xxh3_128_digest(s)) for s, r in zip(stored, raw))
     out.append(d.kinds.astype(np.uint8).tobytes())
-    out.append(d.counts[sparse].astype("<u4").tobytes())
+    out.append(d.table[sparse].astype("<u4").tobytes())
     out.append(b"".join(changed))
-    out.extend(streams)
+    out.extend(stored)
     body = b"".join(out)
     return body + xxhash.xxh3_128_digest(body)
 
@@ -429,51 +538,11 @@ class _Reader:
         return out
 
 
-def _unpack_stream(data: memoryview, raw_len: int, dtype, name: str,
-                   threads: int | None = None) -> np.ndarray:
-    """Decode one stream; its parts are checked first, then decompressed in parallel on
-    ``threads`` workers (one blosc2 thread each) straight into the output."""
-    if raw_len == 0:
-        if len(data):
-            raise DeltaFormatError(f"stream {name!r}: {len(data)} bytes for an empty stream")
-        return np.empty(0, dtype=dtype)
-    r = _Reader(data)
-    (n_parts,) = struct.unpack("<I", r.take(4, f"stream {name!r} part count"))
-    sizes = struct.unpack(f"<{n_parts}Q", r.take(8 * n_parts, f"stream {name!r} part sizes"))
-    out = np.empty(raw_len, dtype=np.uint8)
-    jobs: list[tuple[memoryview, int, int]] = []
-    at = 0
-    for i, sz in enumerate(sizes):
-        part = r.take(sz, f"stream {name!r} part {i}")
-        try:
-            nbytes = blosc2.get_cbuffer_sizes(part)[0]
-        except Exception as e:  # blosc2 raises several types for garbage headers
-            raise DeltaFormatError(f"stream {name!r} part {i}: not a blosc2 chunk ({e})") from e
-        if at + nbytes > raw_len:
-            raise DeltaFormatError(f"stream {name!r}: parts exceed the declared {raw_len} bytes")
-        jobs.append((part, at, nbytes))
-        at += nbytes
-    if at != raw_len or r.at != len(data):
-        raise DeltaFormatError(f"stream {name!r}: parts hold {at} bytes, header says {raw_len}")
-
-    def one(i: int) -> Exception | None:
-        part, lo, nbytes = jobs[i]
-        try:
-            blosc2.decompress2(part, dst=out[lo : lo + nbytes], nthreads=1)
-        except Exception as e:  # noqa: BLE001 - reported below with the part's index
-            return e
-        return None
-
-    for i, e in enumerate(parallel_map(one, range(len(jobs)), threads)):
-        if e is not None:
-            raise DeltaFormatError(f"stream {name!r} part {i}: cannot decompress ({e})") from e
-    return out.view(dtype)
-
-
 def parse(blob: bytes | bytearray | memoryview, *, threads: int | None = None) -> Delta:
     """Check and decode a serialized delta. Raises DeltaFormatError naming what is wrong.
 
-    Gaps are turned back into positions chunk by chunk on ``threads`` workers.
+    Streams are decompressed on ``threads`` workers. Positions stay in their compact
+    varint form; they are checked (inside their chunk) as they are decoded or applied.
     """
     buf = memoryview(blob).cast("B")
     if len(buf) < _FIXED.size + _HASH:
@@ -482,7 +551,8 @@ def parse(blob: bytes | bytearray | memoryview, *, threads: int | None = None) -
         raise DeltaFormatError(f"bad magic {bytes(buf[:4])!r}, expected {MAGIC!r}")
     (fmt,) = struct.unpack_from("<H", buf, 4)
     if fmt != FORMAT_VERSION:
-        raise DeltaFormatError(f"unsupported delta format version {fmt} (this reader: {FORMAT_VERSION})")
+        hint = " (an older publisher wrote it: republish or re-anchor)" if fmt < FORMAT_VERSION else ""
+        raise DeltaFormatError(f"unsupported delta format version {fmt} (this reader: {FORMAT_VERSION}){hint}")
     if xxhash.xxh3_128_digest(buf[:-_HASH]) != bytes(buf[-_HASH:]):
         raise DeltaFormatError("trailer hash mismatch: the delta is corrupted or truncated")
     r = _Reader(buf[:-_HASH])
@@ -490,77 +560,49 @@ def parse(blob: bytes | bytearray | memoryview, *, threads: int | None = None) -
      n_changed, n_changes, run_len) = _FIXED.unpack(r.take(_FIXED.size, "fixed header"))
     if flags != 0 or reserved != 0:
         raise DeltaFormatError(f"unknown flags {flags:#x} / reserved byte {reserved:#x} in header "
-                               "(format 1 defines none; arithmetic or other delta kinds are not accepted)")
+                               f"(format {FORMAT_VERSION} defines none; arithmetic or other delta "
+                               "kinds are not accepted)")
     try:
         run = bytes(r.take(run_len, "run id")).decode()
     except UnicodeDecodeError as e:
         raise DeltaFormatError("run id is not UTF-8") from e
-    table = [_STREAM.unpack(r.take(_STREAM.size, f"stream table entry {i}")) for i in range(3)]
+    streams = [_STREAM.unpack(r.take(_STREAM.size, f"stream table entry {name!r}")) for name in STREAMS]
     kinds = np.frombuffer(r.take(n_chunks, "chunk kinds"), dtype=np.uint8).copy()
     if (kinds > DENSE).any():
         bad = int(np.flatnonzero(kinds > DENSE)[0])
         raise DeltaFormatError(f"chunk {bad}: unknown kind {kinds[bad]}")
     if int((kinds == SPARSE).sum()) != n_sparse or int((kinds != UNCHANGED).sum()) != n_changed:
         raise DeltaFormatError("chunk table: kind counts disagree with the header")
-    sparse_counts = np.frombuffer(r.take(4 * n_sparse, "sparse counts"), dtype="<u4")
-    counts = np.zeros(n_chunks, dtype=np.int64)
-    counts[kinds == SPARSE] = sparse_counts
-    if int(counts.sum()) != n_changes:
-        raise DeltaFormatError("chunk table: sparse counts do not sum to the header's change count")
-    if (counts[kinds == SPARSE] == 0).any() or (counts > chunk_elems).any():
-        raise DeltaFormatError("chunk table: a sparse count is 0 or exceeds chunk_elems")
+    table = np.zeros((n_chunks, 3), dtype=np.int64)
+    table[kinds == SPARSE] = np.frombuffer(r.take(12 * n_sparse, "sparse chunk table"),
+                                           dtype="<u4").reshape(n_sparse, 3)
+    entries = table[kinds == SPARSE, 0]
+    if (entries == 0).any() or (entries > chunk_elems).any():
+        raise DeltaFormatError("chunk table: a sparse chunk has 0 entries or more than chunk_elems")
+    totals = table.sum(axis=0).tolist()
+    if totals[0] != n_changes:
+        raise DeltaFormatError("chunk table: sparse entries do not sum to the header's change count")
     hraw = bytes(r.take(_HASH * n_changed, "target hashes"))
     changed_iter = iter(hraw[i : i + _HASH] for i in range(0, len(hraw), _HASH))
     hashes = tuple(next(changed_iter) if k != UNCHANGED else b"" for k in kinds.tolist())
-    raw_expect = (n_changes * 4, n_changes * 2, None)
-    arrays = []
-    for (clen, raw_len, h), name, expect, dtype in zip(
-        table, _STREAM_NAMES, raw_expect, (np.uint32, np.uint16, np.uint16)
-    ):
+    expect = (n_changes, totals[1], n_changes, totals[2], None)
+    stored = []
+    for (clen, raw_len, h), name, want, size in zip(streams, STREAMS, expect, _ITEMSIZE):
         data = r.take(clen, f"stream {name!r}")
         if xxhash.xxh3_128_digest(data) != h:
             raise DeltaFormatError(f"stream {name!r}: hash mismatch")
-        if expect is not None and raw_len != expect:
-            raise DeltaFormatError(f"stream {name!r}: {raw_len} raw bytes, expected {expect}")
-        if raw_len % np.dtype(dtype).itemsize:
+        if want is not None and raw_len != want:
+            raise DeltaFormatError(f"stream {name!r}: {raw_len} raw bytes, the chunk table says {want}")
+        if raw_len % size:
             raise DeltaFormatError(f"stream {name!r}: raw length {raw_len} is not whole elements")
-        arrays.append(_unpack_stream(data, raw_len, dtype, name, threads))
+        stored.append(data)
     if r.at != len(r.buf):
         raise DeltaFormatError(f"{len(r.buf) - r.at} unexpected bytes before the trailer")
-    gaps, values, dense = arrays
-    positions = _positions(gaps, counts, threads)
-    d = Delta(run=run, fingerprint=bytes(fp), chunk_elems=chunk_elems, base_version=base_v,
-              base_digest=bytes(base_d), target_version=tgt_v, target_digest=bytes(tgt_d),
-              kinds=kinds, counts=counts, target_hashes=hashes, positions=positions,
-              values=values, dense=dense)
-    if positions.size:
-        last = positions[d.sparse_offsets[1:][counts > 0] - 1]
-        if (last >= chunk_elems).any():
-            raise DeltaFormatError("a sparse position lies beyond chunk_elems")
-    return d
-
-
-def _positions(gaps: np.ndarray, counts: np.ndarray, threads: int | None = None) -> np.ndarray:
-    """Inverse of _gaps: chunk-relative positions from per-chunk gaps.
-
-    Within a chunk pos[i] = sum(gap[:i+1]) + i: one int64 cumsum of the uint32 gaps plus
-    0, 1, 2, ... (a shared read-only ramp), chunk by chunk on ``threads`` workers.
-    """
-    out = np.empty(gaps.size, dtype=np.int64)
-    if gaps.size == 0:
-        return out
-    ends = np.cumsum(counts)
-    nz = np.flatnonzero(counts)
-    los, his = (ends - counts)[nz].tolist(), ends[nz].tolist()
-    ramp = np.arange(int(counts.max()), dtype=np.int64)
-
-    def one(i: int) -> None:
-        o = out[los[i] : his[i]]
-        np.cumsum(gaps[los[i] : his[i]], dtype=np.int64, out=o)
-        o += ramp[: o.size]
-
-    parallel_map(one, range(len(los)), threads)
-    return out
+    gh, gt, vh, vt, dense = _unpack_streams(stored, [s[1] for s in streams], threads)
+    return Delta(run=run, fingerprint=bytes(fp), chunk_elems=chunk_elems, base_version=base_v,
+                 base_digest=bytes(base_d), target_version=tgt_v, target_digest=bytes(tgt_d),
+                 kinds=kinds, table=table, target_hashes=hashes, gap_head=gh, gap_tail=gt,
+                 value_head=vh, value_tail=vt, dense=dense)
 
 
 # ----------------------------------------------------------------------------- apply
@@ -579,16 +621,9 @@ def check_fits(d: Delta, layout: Layout, *, run: str | None = None) -> None:
             f"chunking mismatch: delta has {d.n_chunks} chunks of {d.chunk_elems}, "
             f"weights {layout.n_chunks} of {layout.chunk_elems}"
         )
-    sparse = d.kinds == SPARSE
-    if (d.counts[sparse] > layout.lengths[sparse]).any():
-        raise DeltaFormatError("a sparse chunk has more entries than elements")
-    if d.positions.size:
-        nz = d.counts > 0
-        last = d.positions[d.sparse_offsets[1:][nz] - 1]
-        bad = np.flatnonzero(last >= layout.lengths[nz])
-        if bad.size:
-            c = int(np.flatnonzero(nz)[bad[0]])
-            raise DeltaFormatError(f"{layout.chunk_name(c)}: a position lies beyond the chunk")
+    bad = np.flatnonzero(d.counts > layout.lengths)
+    if bad.size:
+        raise DeltaFormatError(f"{layout.chunk_name(int(bad[0]))}: more sparse entries than elements")
     want = int(layout.lengths[d.kinds == DENSE].sum())
     if d.dense.size != want:
         raise DeltaFormatError(f"dense stream holds {d.dense.size} words, dense chunks need {want}")
@@ -609,11 +644,13 @@ def apply(
     The weights must be exactly the delta's base: ``current_version`` and
     ``current_digest`` are compared with the delta's (never apply out of order). For an
     anchor the weights must be zero and ``current_version`` ``NO_VERSION``. Returns the
-    touched ranges. On a target-hash mismatch every touched chunk is restored and
-    DeltaVerifyError is raised; the weights are then exactly as before the call.
+    touched ranges. If a chunk's entries are malformed (DeltaFormatError) or a chunk
+    misses its target hash (DeltaVerifyError), every touched chunk is restored first:
+    the weights are then exactly as before the call.
 
-    Chunks are XOR-ed and hashed on ``threads`` workers (chunks are disjoint, so the
-    result, and the undo on a mismatch, do not depend on the thread count).
+    Each changed chunk is XOR-ed by one compiled pass and hashed right after, while it is
+    still in cache, on ``threads`` workers (chunks are disjoint, so the result, and the
+    undo on a failure, do not depend on the thread count).
     """
     d = delta if isinstance(delta, Delta) else parse(delta, threads=threads)
     check_fits(d, layout, run=run)
@@ -625,47 +662,41 @@ def apply(
         )
     changed = np.flatnonzero(d.kinds != UNCHANGED).tolist()
     tensor_of, starts, stops = layout.tensor_of.tolist(), layout.starts.tolist(), layout.stops.tolist()
-    sp_off = d.sparse_offsets.tolist()
     dense_lens = np.where(d.kinds == DENSE, layout.lengths, 0)
     dense_off = (np.cumsum(dense_lens) - dense_lens).tolist()
     kinds = d.kinds.tolist()
 
-    def xor(c: int) -> None:
+    def xor(c: int) -> int:
+        """XOR chunk c in place: 0, or a kernel error code (the chunk is then untouched)."""
         seg = arrays[tensor_of[c]][starts[c] : stops[c]]
         if kinds[c] == SPARSE:
-            pos = d.positions[sp_off[c] : sp_off[c + 1]]
-            seg[pos] ^= d.values[sp_off[c] : sp_off[c + 1]]
-        else:
-            seg ^= d.dense[dense_off[c] : dense_off[c] + seg.size]
+            return kernels.xor_chunk(seg, *d.varints(c))
+        seg ^= d.dense[dense_off[c] : dense_off[c] + seg.size]
+        return 0
 
-    def one(c: int) -> bool | Exception:
-        """XOR chunk c in place; whether it reached its target hash (an exception: the
-        chunk was not touched)."""
-        try:
-            xor(c)
-        except Exception as e:  # noqa: BLE001 - handed back so the other chunks are undone
-            return e
+    def one(c: int) -> bool | str:
+        """XOR chunk c and check its target hash: True/False, or why it was not applied."""
+        err = xor(c)
+        if err:
+            return kernels.error_text(err)
         return xxhash.xxh3_128_digest(arrays[tensor_of[c]][starts[c] : stops[c]]) == d.target_hashes[c]
 
     ok = parallel_map(one, changed, threads)
     if not all(r is True for r in ok):
         # XOR is its own inverse: every chunk that was XOR-ed goes back
-        parallel_map(xor, [c for c, r in zip(changed, ok) if not isinstance(r, Exception)], threads)
+        parallel_map(xor, [c for c, r in zip(changed, ok) if not isinstance(r, str)], threads)
         for c, r in zip(changed, ok):
-            if isinstance(r, Exception):
-                raise DeltaFormatError(f"{layout.chunk_name(c)}: cannot apply ({r!r}); "
-                                       "all changes were undone") from r
+            if isinstance(r, str):
+                raise DeltaFormatError(f"{layout.chunk_name(c)}: cannot apply ({r}); "
+                                       "all changes were undone")
         bad = changed[ok.index(False)]
         raise DeltaVerifyError(
             f"{layout.chunk_name(bad)} does not match the delta's target hash after applying "
             f"version {_v(d.base_version)} -> {d.target_version}; all changes were undone "
             "(the weights differ from the claimed base)"
         )
-    return [
-        ChangedRange(tensor_of[c], starts[c], stops[c],
-                     d.positions[sp_off[c] : sp_off[c + 1]] if kinds[c] == SPARSE else None)
-        for c in changed
-    ]
+    return [ChangedRange(tensor_of[c], starts[c], stops[c], d if kinds[c] == SPARSE else None, c)
+            for c in changed]
 
 
 def _v(v: int) -> str:
@@ -680,8 +711,9 @@ def compose(first: Delta, second: Delta, layout: Layout, params: CodecParams = D
 
     XOR deltas compose by merging sorted positions and XOR-ing values at equal positions
     (entries that cancel drop out); any dense side makes the chunk dense, and the result is
-    re-sparsified by ``params.dense_threshold``. Composing an anchor with a delta gives an
-    anchor of the later version.
+    re-sparsified by ``params.dense_threshold``. A chunk only one side changes keeps that
+    side's bytes as they are. Composing an anchor with a delta gives an anchor of the
+    later version.
     """
     for d in (first, second):
         check_fits(d, layout)
@@ -692,51 +724,37 @@ def compose(first: Delta, second: Delta, layout: Layout, params: CodecParams = D
             f"cannot compose: first ends at version {_v(first.target_version)}, "
             f"second starts at {_v(second.base_version)} (or digests differ)"
         )
-    n = layout.n_chunks
-    kinds = np.zeros(n, dtype=np.uint8)
-    counts = np.zeros(n, dtype=np.int64)
-    hashes: list[bytes] = []
-    pos_parts, val_parts, dense_parts = [], [], []
-    for c in range(n):
-        k1, a1, b1 = first.chunk(c, layout)
-        k2, a2, b2 = second.chunk(c, layout)
-        if k2 == UNCHANGED:
-            kind, a, b, h = k1, a1, b1, first.target_hashes[c]
-        elif k1 == UNCHANGED:
-            kind, a, b, h = k2, a2, b2, second.target_hashes[c]
+    kinds, pieces, hashes = [], [], []
+    for c in range(layout.n_chunks):
+        k1, k2 = int(first.kinds[c]), int(second.kinds[c])
+        if k2 == UNCHANGED or k1 == UNCHANGED:
+            src = first if k2 == UNCHANGED else second
+            kind = int(src.kinds[c])
+            piece = src.varints(c) if kind == SPARSE else src.chunk(c, layout)[1]
+            kinds.append(kind)
+            pieces.append(piece)
+            hashes.append(src.target_hashes[c])
+            continue
+        n = int(layout.lengths[c])
+        _, a1, b1 = first.chunk(c, layout)
+        _, a2, b2 = second.chunk(c, layout)
+        if k1 == SPARSE and k2 == SPARSE:
+            pos, val = _merge_xor(a1, b1, a2, b2)
         else:
-            h = second.target_hashes[c]
-            if k1 == SPARSE and k2 == SPARSE:
-                a, b = _merge_xor(a1, b1, a2, b2)
-                kind = SPARSE
-            else:
-                words = _densify(k1, a1, b1, int(layout.lengths[c])) ^ _densify(k2, a2, b2, int(layout.lengths[c]))
-                nz = np.flatnonzero(words)
-                if nz.size > params.dense_threshold * words.size:
-                    kind, a, b = DENSE, words, None
-                else:
-                    kind, a, b = SPARSE, nz, words[nz]
-            if kind == SPARSE and a.size == 0:
-                kind = UNCHANGED
-        kinds[c] = kind
-        if kind == UNCHANGED:
-            hashes.append(b"")
-        elif kind == SPARSE:
-            counts[c] = a.size
-            pos_parts.append(a)
-            val_parts.append(b)
-            hashes.append(h)
-        else:
-            dense_parts.append(a)
-            hashes.append(h)
-    return Delta(
-        run=first.run, fingerprint=first.fingerprint, chunk_elems=first.chunk_elems,
-        base_version=first.base_version, base_digest=first.base_digest,
-        target_version=second.target_version, target_digest=second.target_digest,
-        kinds=kinds, counts=counts, target_hashes=tuple(hashes),
-        positions=_cat(pos_parts, np.int64), values=_cat(val_parts, np.uint16),
-        dense=_cat(dense_parts, np.uint16),
-    )
+            words = _densify(k1, a1, b1, n) ^ _densify(k2, a2, b2, n)
+            pos = np.flatnonzero(words)
+            if pos.size > params.dense_threshold * n:
+                kinds.append(DENSE)
+                pieces.append(words)
+                hashes.append(second.target_hashes[c])
+                continue
+            val = words[pos]
+        kinds.append(SPARSE if pos.size else UNCHANGED)
+        pieces.append(_varints(pos, val) if pos.size else None)
+        hashes.append(second.target_hashes[c])
+    return _assemble(layout, kinds, pieces, hashes, run=first.run, base_version=first.base_version,
+                     base_digest=first.base_digest, target_version=second.target_version,
+                     target_digest=second.target_digest)
 
 
 def _merge_xor(p1: np.ndarray, v1: np.ndarray, p2: np.ndarray, v2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -73,6 +73,18 @@ class Publisher:
         self._live: list[set[str]] = []  # blob keys of the last manifests
         self.manifest: Manifest | None = None
 
+    def resume_after(self, version: int) -> None:
+        """Continue a sequence this publisher did not write: the next :meth:`publish` is
+        ``version + 1`` and, with no shadow of ``version`` here, a full anchor (its
+        manifest names no step or catch-up delta older than the anchor, so followers of
+        the earlier sequence take the anchor route). Call it when restarting on a store
+        whose manifest is at ``version`` (the trainer after a crash or restart)."""
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < NO_VERSION - 1:
+            raise ValueError(f"resume_after: version must be an int in [0, 2**64 - 2), got {version!r}")
+        self.version, self.digest = version, None
+        self._shadow, self._catchup, self._steps, self._since_anchor = [], {}, {}, None
+        self._resync = True
+
     def publish(self, weights: Mapping[str, torch.Tensor]) -> VersionMetrics:
         """Publish ``weights`` (name -> bf16 tensor, model order) as the next version.
 
@@ -121,7 +133,7 @@ class Publisher:
                         current_digest=self.digest, run=run)
             app_s = time.perf_counter() - t0
             step_bytes = len(blob)
-            values = np.concatenate([step.values, step.dense[step.dense != 0]])
+            values = step.xor_words()
             changed = int(values.size)
             bound = entropy_bound_bytes(total, values)
             key = self.store.put(blob)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -100,9 +101,10 @@ def test_unchanged_model_gives_an_empty_delta(seed, chunk):
     old = random_model(rng, SPECS)
     blob = enc(layout, old, [a.copy() for a in old])
     d = codec.parse(blob)
-    assert d.is_empty and d.positions.size == 0 and d.dense.size == 0
+    assert d.is_empty and d.n_entries == 0 and d.dense.size == 0
     # header + run + stream table + one byte per chunk + trailer; no stream bytes
-    assert len(blob) == codec._FIXED.size + len("run-1") + 3 * codec._STREAM.size + layout.n_chunks + 16
+    assert len(blob) == (codec._FIXED.size + len("run-1") + len(codec.STREAMS) * codec._STREAM.size
+                         + layout.n_chunks + 16)
     w = [a.copy() for a in old]
     assert codec.apply(w, blob, layout, current_version=0, current_digest=digest(layout, old)) == []
 
@@ -116,7 +118,7 @@ def test_unchanged_tensor_costs_one_byte_per_chunk():
     d = codec.parse(enc(layout, old, new))
     norm = slice(layout.first_chunk[1], layout.first_chunk[2])
     assert (d.kinds[norm] == codec.UNCHANGED).all()
-    assert int((d.kinds != codec.UNCHANGED).sum()) == 1 and d.positions.tolist() == [3]
+    assert int((d.kinds != codec.UNCHANGED).sum()) == 1 and d.entries(0)[0].tolist() == [3]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -217,10 +219,16 @@ def test_truncated_and_foreign_bytes_are_rejected_clearly(corruptible):
         codec.parse(blob[:-1])
     with pytest.raises(codec.DeltaFormatError, match="magic"):
         codec.parse(b"PK\x03\x04" + blob[4:])
-    v2 = bytearray(blob)
-    v2[4] = 2
-    with pytest.raises(codec.DeltaFormatError, match="format version 2"):
-        codec.parse(bytes(v2))
+    for version, why in ((1, "format version 1 .*older publisher"), (3, "format version 3")):
+        other = bytearray(blob)
+        other[4:6] = version.to_bytes(2, "little")
+        other[-16:] = xxhash.xxh3_128_digest(bytes(other[:-16]))  # intact but for the version
+        with pytest.raises(codec.DeltaFormatError, match=why):
+            codec.parse(bytes(other))
+        w = [a.copy() for a in old]
+        with pytest.raises(codec.DeltaFormatError, match="unsupported delta format"):
+            codec.apply(w, bytes(other), layout, current_version=0, current_digest=digest(layout, old))
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(w, old))
 
 
 def test_wrong_base_weights_are_detected_and_every_touched_chunk_is_undone(corruptible):
@@ -280,7 +288,29 @@ def test_bf16_arithmetic_deltas_are_lossy_so_the_format_has_none():
     # and the reader knows no arithmetic mode: any flag bit is refused
     blob = bytearray(enc(layout, o, n))
     blob[6] = 1
-    import xxhash
     blob[-16:] = xxhash.xxh3_128_digest(bytes(blob[:-16]))
     with pytest.raises(codec.DeltaFormatError, match="flags"):
         codec.parse(bytes(blob))
+
+
+def test_codec_params_refuse_a_dense_threshold_outside_0_1():
+    with pytest.raises(ValueError, match="dense_threshold must be in"):
+        codec.CodecParams(dense_threshold=1.5)
+    with pytest.raises(ValueError, match="dense_threshold must be in"):
+        codec.CodecParams(dense_threshold=-0.1)
+
+
+def test_changed_ranges_decode_positions_only_when_read(corruptible):
+    """apply never materialises positions; a range decodes its chunk's on first read."""
+    layout, old, blob = corruptible
+    d = codec.parse(blob)
+    w = [a.copy() for a in old]
+    ranges = codec.apply(w, d, layout, current_version=0, current_digest=digest(layout, old))
+    sparse = [r for r in ranges if r._delta is not None]
+    assert sparse and all(r._positions is None for r in sparse)
+    for r in sparse:
+        c = int(np.searchsorted(layout.starts[layout.tensor_of == r.tensor], r.start)) + int(
+            layout.first_chunk[r.tensor])
+        assert r.positions.tolist() == d.entries(c)[0].tolist()
+        assert (w[r.tensor][r.start + r.positions] != old[r.tensor][r.start + r.positions]).all()
+    assert any(r.positions is None for r in ranges)  # the dense chunk: the whole range

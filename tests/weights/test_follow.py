@@ -226,3 +226,29 @@ def test_a_failed_publish_is_followed_by_a_fresh_anchor(make):
     tr.step()
     assert not pub.publish(tr.bf16()).anchor
     assert f.sync(StoreSource(st)).route == "catchup" and same(f.weights, tr.bf16())
+
+
+def test_a_restarted_publisher_resumes_after_the_stores_version(make, tmp_path):
+    """A new Publisher on the same store (the trainer after a restart) continues the version
+    sequence with a fresh anchor; followers of the old sequence take the anchor route,
+    later steps are deltas again."""
+    tr, st, pub = make(anchor_every=100)
+    for _ in range(4):
+        pub.publish(tr.bf16())
+        tr.step()
+    assert pub.version == 3
+    f = Follower.from_manifest(pub.manifest)
+    f.sync(StoreSource(st))
+    again = Publisher(LocalDirStore(tmp_path / "store"), pub.cfg)
+    with pytest.raises(ValueError, match="resume_after: version"):
+        again.resume_after(-1)
+    again.resume_after(StoreSource(st).manifest().version)
+    m = again.publish(tr.bf16())
+    assert m.anchor and m.version == 4 and again.manifest.catchup == () and again.manifest.steps == ()
+    rep = f.sync(StoreSource(st))
+    assert (rep.route, rep.to_version) == ("anchor", 4) and same(f.weights, tr.bf16())
+    tr.step()
+    m = again.publish(tr.bf16())
+    assert not m.anchor and m.version == 5 and m.delta_bytes > 0
+    rep = f.sync(StoreSource(st))
+    assert rep.route == "catchup" and f.digest == again.digest and same(f.weights, tr.bf16())

@@ -1,6 +1,8 @@
 """Threaded diff, gap coding, scatter-XOR and hashing: the bytes, the weights and the undo
 do not depend on the thread count; the linear merge used by compose matches a reference."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -86,24 +88,22 @@ def test_threaded_apply_undoes_every_chunk_when_several_fail(threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_chunk_that_cannot_be_applied_is_reported_and_the_rest_undone(threads):
-    """A hand-built Delta whose middle position is out of range (parse never yields one:
-    its positions are strictly increasing): the error names the chunk, nothing changes."""
+    """A hand-built Delta (no trailer to catch it) whose second gap in one chunk jumps past
+    the chunk's end: the kernel has already XOR-ed that chunk's first entry and must undo
+    it; the error names the chunk, and every other chunk is undone too."""
     rng = np.random.default_rng(2)
     layout = Layout(SPECS, 16)
     old = model(rng)
     new = mutated(rng, old, 0.1)
     d = codec.parse(encode(layout, old, new, 1))
     c = int(np.flatnonzero(d.counts >= 3)[1])
-    lo = int(d.sparse_offsets[c])
-    positions = d.positions.copy()
-    positions[lo + 1] = 10_000
-    bad = codec.Delta(run=d.run, fingerprint=d.fingerprint, chunk_elems=d.chunk_elems,
-                      base_version=d.base_version, base_digest=d.base_digest,
-                      target_version=d.target_version, target_digest=d.target_digest,
-                      kinds=d.kinds, counts=d.counts, target_hashes=d.target_hashes,
-                      positions=positions, values=d.values, dense=d.dense)
+    lo = int(d.offsets[c, 0])
+    gap_head = d.gap_head.copy()
+    gap_head[lo + 1] = 100  # a gap of 100 in a chunk of 16 elements
+    bad = dataclasses.replace(d, gap_head=gap_head)
+    assert int(np.flatnonzero(d.kinds != codec.UNCHANGED)[-1]) > c  # chunks after it too
     w = [a.copy() for a in old]
-    with pytest.raises(codec.DeltaFormatError, match=f"chunk {c}\\): cannot apply"):
+    with pytest.raises(codec.DeltaFormatError, match=f"chunk {c}\\): cannot apply \\(a position lies beyond"):
         codec.apply(w, bad, layout, current_version=0,
                     current_digest=digest_of(chunk_hashes(layout, old)), threads=threads)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(w, old))
@@ -137,17 +137,19 @@ def test_parallel_map_keeps_order_and_rejects_bad_thread_counts():
 
 
 def test_multi_part_streams_serialize_to_the_same_bytes_on_any_thread_count():
-    """Streams of several 4 MiB parts over many blosc2 blocks: blosc2's own threads would
-    order blocks by completion; the writer's bytes must not depend on threads."""
+    """Streams of several parts over many blosc2 blocks: blosc2's own threads would order
+    blocks by completion; the writer's bytes must not depend on threads, and the reader
+    must stitch the parts of every stream back in order."""
     rng = np.random.default_rng(4)
     specs = [TensorSpec("big", (3 << 20,))]
     layout = Layout(specs, 1 << 18)
     old = [rng.integers(0, 1 << 16, 3 << 20, dtype=np.uint16)]
-    new = mutated(rng, old, 0.4)
-    params = codec.CodecParams(dense_threshold=1.0)  # all sparse: 4.8 MiB of gaps
+    new = mutated(rng, old, 0.8)
+    params = codec.CodecParams(dense_threshold=1.0)  # all sparse: 2.5 M entries
     blobs = [encode(layout, old, new, t, params) for t in (1, 2, 2, 3)]
     assert all(b == blobs[0] for b in blobs)
-    assert codec.parse(blobs[0]).positions.size > (1 << 22) // 4
+    d = codec.parse(blobs[0])
+    assert d.n_entries > 2 * codec._PART_BYTES and d.value_tail.size > codec._PART_BYTES  # 3+ parts each
     w = [old[0].copy()]
     codec.apply(w, blobs[0], layout, current_version=0,
                 current_digest=digest_of(chunk_hashes(layout, old)), threads=2)
