@@ -9,15 +9,14 @@ reference completions. docs/synthetic-tasks.md describes the format end to end.
 
 Prompt and completion (a raw completion, no chat template)::
 
-    # Write the body of f so that:        <- prompt
-    # f(0) == 3
-    # f(1) == 4
-    # f(4) == 7
-    # f(9) == 12
-    # f(13) == 16
+    # f(0)=3 f(1)=4 f(4)=7 f(9)=12 f(13)=16     <- prompt: the examples on one line
     def f(x):
-        return x + 3                       <- completion: the body ...
-    <eos>                                  <- ... then the stop marker
+        return x + 3                             <- completion: the body ...
+    <eos>                                        <- ... then the stop marker
+
+The prompt is compact (about 50 bytes) because the model is a ~2M-parameter byte-level
+model: every byte is a token, and the examples are what it must read (docs/warmup.md
+has the measurements that chose this layout over a verbose one).
 
 The model writes the indented body after the signature line and stops with the
 tokenizer's end-of-sequence token (`STOP_MARKER`, "<eos>": the byte tokenizer encodes
@@ -60,7 +59,7 @@ __all__ = [
     "CHECK_FILE",
     "ENTRY_POINT",
     "FAMILIES",
-    "INSTRUCTION",
+    "EXAMPLES_PREFIX",
     "SIGNATURE",
     "SOLUTION_FILE",
     "SPLITS",
@@ -85,7 +84,8 @@ __all__ = [
 
 ENTRY_POINT: Final = "f"
 SIGNATURE: Final = f"def {ENTRY_POINT}(x):"
-INSTRUCTION: Final = f"# Write the body of {ENTRY_POINT} so that:"
+EXAMPLES_PREFIX: Final = "# "
+"""Starts the prompt's first line, a comment listing the examples as `f(x)=y`."""
 STOP_MARKER: Final = "<eos>"
 """Ends a completion: the byte tokenizer's EOS token as text. The checker cuts the
 solution at its first occurrence, so a sampler may return it or strip it."""
@@ -139,14 +139,15 @@ DEFAULT_CHECK: Final = CheckConfig()
 
 
 def prompt_for(task: Task | DrawnTask) -> str:
-    """The prompt of a synthetic task: the instruction, the shown examples (sorted,
-    one per line) and the signature line; the model continues with the body."""
+    """The prompt of a synthetic task: one comment line with the shown examples
+    (sorted by x, `f(x)=y` separated by spaces), then the signature line; the model
+    continues with the body."""
     if isinstance(task, Task):
         _target_of(task)  # validates that it is one of ours
         assert task.prompt is not None
         return task.prompt
-    lines = [INSTRUCTION, *(f"# {ENTRY_POINT}({x}) == {y}" for x, y in task.shown), SIGNATURE]
-    return "\n".join(lines) + "\n"
+    examples = " ".join(f"{ENTRY_POINT}({x})={y}" for x, y in task.shown)
+    return f"{EXAMPLES_PREFIX}{examples}\n{SIGNATURE}\n"
 
 
 def is_eval_reserved(prompt: str) -> bool:

@@ -5,7 +5,7 @@ SwiGLU MLP, optional grouped-query attention) over the byte-level vocabulary of
 `byte_tokenizer`, saved with `save_pretrained` (safetensors) next to its tokenizer, so
 the same directory loads in transformers, in vLLM and in our own torch backend.
 Defaults follow the prototype measured for the embedded recipe (hidden 192, 4 layers,
-about 1.8M parameters); the context is 4096 byte tokens because agent prompts run to
+about 1.9M parameters; 3 heads of size 64 so vLLM's CPU build can load it); the context is 4096 byte tokens because agent prompts run to
 about 3,000 characters.
 """
 
@@ -34,8 +34,10 @@ class TinyLlamaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     hidden_size: int = 192
     """Width of the residual stream; a multiple of num_heads with an even head size."""
     num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 4
+    num_heads: int = 3
+    """Attention heads; the default gives head size 64, which vLLM's CPU build supports
+    (its attention kernels take head sizes 32, 64, 80, 96, ..., not 48)."""
+    num_kv_heads: int = 3
     """Key/value heads; fewer than num_heads (dividing it) gives grouped-query attention."""
     intermediate_size: int = 512
     """Width of the SwiGLU MLP."""

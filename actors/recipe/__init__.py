@@ -34,6 +34,7 @@ from fleetrl.actors.recipe.warmup import (
     encode_example,
     lr_at,
     run_warmup,
+    warmup_loss,
 )
 
 __all__ = [
@@ -58,5 +59,6 @@ __all__ = [
     "sample_completions",
     "score_completions",
     "task_family_digest",
+    "warmup_loss",
     "weights_digest",
 ]

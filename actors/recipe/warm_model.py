@@ -3,8 +3,8 @@
 `ensure_warm_model(cache_dir, recipe)` returns the directory of the tiny model built
 with `recipe.init_seed`, warmed up on the synthetic task format (`warmup.run_warmup`)
 and saved with transformers next to its byte tokenizer, so transformers, vLLM and the
-torch sampler backend all load it. The first call trains it (about a minute on two
-CPU cores); later calls find it in `cache_dir` and return at once.
+torch sampler backend all load it. The first call trains it (about 3 CPU-minutes,
+one thread); later calls find it in `cache_dir` and return at once.
 
 Cache layout: `cache_dir/warm-<key>/`, where `<key>` is derived from everything
 that determines the weights: the model spec, the init seed, the warm-up config
@@ -60,7 +60,7 @@ __all__ = [
     "weights_digest",
 ]
 
-CACHE_FORMAT: Final = 1
+CACHE_FORMAT: Final = 2
 """Version of the cache layout and manifest; part of the key."""
 MANIFEST: Final = "warm.json"
 _PROBE_TASKS: Final = 16
@@ -93,6 +93,9 @@ class WarmManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     weights: str
     """`weights_digest` of the saved tensors."""
     losses: tuple[float, ...]
+    """Completion loss of every warm-up step."""
+    prompt_losses: tuple[float, ...]
+    """Prompt loss of every warm-up step (format 2 on)."""
     warmup_seconds: float
     created_at: float
 
@@ -227,6 +230,7 @@ def _build(final: Path, key: str, family: str, recipe: WarmRecipe, log: Callable
             files=files,
             weights=weights_digest(staging),
             losses=result.losses,
+            prompt_losses=result.prompt_losses,
             warmup_seconds=result.seconds,
             created_at=time.time(),
         )
@@ -307,6 +311,29 @@ def _measure(model_dir: Path, label: str, n: int, task_seed: int, sample_seed: i
     return out
 
 
+def _sampling_speed(model_dir: Path, batch: int, rounds: int, sample_seed: int) -> dict[str, float]:
+    """Tokens per second of the torch sampler backend (fp32) on batches of `batch` fresh
+    prompts with the RL phase's sampling settings: wall-clock and per CPU-second."""
+    from fleetrl.actors.model import EOS_ID, build_byte_tokenizer
+    from fleetrl.actors.samplers import SamplingParams, TorchBackend, TorchBackendConfig
+
+    tok = build_byte_tokenizer()
+    backend = TorchBackend(TorchBackendConfig(model_dir=str(model_dir)))
+    tasks = generate_tasks(batch * rounds, split="fresh", seed=sample_seed + 1000)
+    prompts = [tok(t.prompt, add_special_tokens=True)["input_ids"] for t in tasks]
+    tokens = 0
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    for r in range(rounds):
+        params = SamplingParams(max_tokens=48, temperature=1.0, top_p=0.95, stop_ids=(EOS_ID,), seed=sample_seed + r)
+        tokens += sum(len(g.token_ids) for g in backend.generate(prompts[r * batch:(r + 1) * batch], params))
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    out = {"batch": batch, "tokens": tokens, "wall_s": wall, "cpu_s": cpu,
+           "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu}
+    print(f"sampling speed (torch fp32, batch {batch}): {tokens / wall:.0f} tokens/s wall, "
+          f"{tokens / cpu:.0f} tokens per CPU-second ({tokens} tokens)", file=sys.stderr)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build (or find) the warm model and measure pass@1 before and after warm-up.
 
@@ -321,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-seed", type=int, default=0, help="seed of the sampling RNG")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the random-init evaluation")
+    parser.add_argument("--speed-batch", type=int, default=32, metavar="B",
+                        help="measure sampling speed on batches of B prompts (0: skip)")
     args = parser.parse_args(argv)
     if args.eval < 0:
         parser.error("--eval must be >= 0")
@@ -345,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         report["warm"] = _measure(path, "warm", args.eval, args.eval_seed, args.sample_seed)
         report["warm_eval_s"] = time.perf_counter() - t0
+    if args.speed_batch > 0:
+        report["sampling_speed"] = _sampling_speed(path, args.speed_batch, 3, args.sample_seed)
     print(json.dumps(report, sort_keys=True))
     return 0
 

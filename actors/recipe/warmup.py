@@ -12,10 +12,14 @@ synthetic *training* stream (`fleetrl.harness.synthetic.task_stream`), byte-toke
 with the model's tokenizer: `<bos>` + prompt bytes, then the completion bytes and the
 EOS id (the reference text ends with the literal `<eos>`, which the tokenizer turns
 into its EOS token). The loss is the token-mean cross-entropy over the completion
-tokens only; the prompt is context, not target. AdamW with a linear warm-up then
+tokens, plus `prompt_loss_weight` times the token-mean cross-entropy over the prompt
+(after `<bos>`): predicting each shown output from the examples before it makes the
+model work out the function from examples, the skill the completion needs; with the
+completion loss alone the tiny model learns the family prior long before it learns
+to read (docs/warmup.md has the measurements). AdamW with a linear warm-up then
 cosine decay of the learning rate, gradient clipping, small batches.
 
-Pure pieces (`encode_example`, `collate`, `completion_loss`, `lr_at`) are separate
+Pure pieces (`encode_example`, `collate`, `completion_loss`, `warmup_loss`, `lr_at`) are separate
 from the loop (`run_warmup`), which is deterministic: the tasks come from a seeded
 stream and the model has no dropout, so the same model, config and thread count give
 the same weights.
@@ -49,6 +53,7 @@ __all__ = [
     "lr_at",
     "run_warmup",
     "training_batches",
+    "warmup_loss",
 ]
 
 IGNORE: Final = -100
@@ -59,10 +64,11 @@ class WarmupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Hyper-parameters of the supervised warm-up. Invalid values raise ValueError
     naming the field."""
 
-    steps: int = 150
+    steps: int = 400
     """Optimizer steps (docs/warmup.md has the measured effect of the default)."""
-    batch_size: int = 32
-    """Examples (tasks) per step."""
+    batch_size: int = 16
+    """Examples (tasks) per step. At equal CPU time, 16 per step learnt faster than 32
+    (more, smaller steps; docs/warmup.md)."""
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
     warmup_steps: int = 10
@@ -73,6 +79,10 @@ class WarmupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
+    prompt_loss_weight: float = 1.0
+    """Weight of the prompt's own next-token loss beside the completion's (0: the
+    completion alone). Predicting each shown output from the examples before it is
+    what teaches the tiny model to read the examples (docs/warmup.md)."""
     task_seed: int = 0
     """Seed of the synthetic training stream the examples come from."""
     task_start: int = 0
@@ -96,6 +106,10 @@ class WarmupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ValueError(f"WarmupConfig.betas[{i}] must be in [0, 1), got {beta!r}")
         if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
             raise ValueError(f"WarmupConfig.grad_clip must be finite and >= 0, got {self.grad_clip!r}")
+        if not (math.isfinite(self.prompt_loss_weight) and self.prompt_loss_weight >= 0):
+            raise ValueError(
+                f"WarmupConfig.prompt_loss_weight must be finite and >= 0, got {self.prompt_loss_weight!r}"
+            )
         if self.task_start < 0:
             raise ValueError(f"WarmupConfig.task_start must be >= 0, got {self.task_start!r}")
 
@@ -109,11 +123,13 @@ class Example(msgspec.Struct, frozen=True):
 
 class Batch(msgspec.Struct, frozen=True):
     """Right-padded tensors of a batch: `input_ids_BT`, `attention_mask_BT` (1 = real
-    token) and `labels_BT` (the token to predict at each position, IGNORE where none)."""
+    token), `labels_BT` (the completion token to predict at each position, IGNORE
+    where none) and `prompt_labels_BT` (likewise for the prompt tokens after `<bos>`)."""
 
     input_ids_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
     labels_BT: torch.Tensor
+    prompt_labels_BT: torch.Tensor
 
     @property
     def num_target_tokens(self) -> int:
@@ -139,16 +155,19 @@ def encode_example(task: Task, tokenizer: PreTrainedTokenizerFast) -> Example:
 
 
 def collate(examples: Sequence[Example]) -> Batch:
-    """Right-pad examples into a batch; labels are the completion tokens only.
+    """Right-pad examples into a batch, with separate completion and prompt labels.
 
     `labels_BT[b, t]` is the token at position t where that token is part of the
-    completion (unshifted); `completion_loss` scores the logits at t-1 against it."""
+    completion (unshifted); `completion_loss` scores the logits at t-1 against it.
+    `prompt_labels_BT[b, t]` is the token at t for the prompt positions 1..prompt_len-1
+    (everything the model can predict in the prompt: not `<bos>`)."""
     if not examples:
         raise ValueError("collate needs at least one example")
     width = max(len(e.ids) for e in examples)
     ids = torch.full((len(examples), width), PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    prompt_labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
     for b, e in enumerate(examples):
         if not 0 < e.prompt_len < len(e.ids):
             raise ValueError(f"example {b}: prompt_len {e.prompt_len} leaves no completion in {len(e.ids)} tokens")
@@ -157,7 +176,8 @@ def collate(examples: Sequence[Example]) -> Batch:
         ids[b, :n] = row
         mask[b, :n] = 1
         labels[b, e.prompt_len:n] = row[e.prompt_len:]
-    return Batch(ids, mask, labels)
+        prompt_labels[b, 1:e.prompt_len] = row[1:e.prompt_len]
+    return Batch(ids, mask, labels, prompt_labels)
 
 
 def completion_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
@@ -165,7 +185,8 @@ def completion_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.
 
     The logits at position t predict the token at t+1, so logits[:, :-1] are scored
     against labels[:, 1:]. Positions labelled IGNORE (prompt, padding) contribute
-    nothing; the mean is over all labelled tokens of the batch.
+    nothing; the mean is over all labelled tokens of the batch. (The warm-up also
+    applies it to `prompt_labels_BT` for the prompt's loss.)
     """
     if logits_BTV.shape[:2] != labels_BT.shape:
         raise ValueError(f"logits {tuple(logits_BTV.shape)} and labels {tuple(labels_BT.shape)} disagree on (B, T)")
@@ -174,6 +195,20 @@ def completion_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.
     if not bool((target != IGNORE).any()):
         raise ValueError("completion_loss: the batch has no labelled (completion) token")
     return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), ignore_index=IGNORE)
+
+
+def warmup_loss(logits_BTV: torch.Tensor, batch: Batch, prompt_weight: float) -> tuple[torch.Tensor, float, float]:
+    """The warm-up's objective: completion loss + `prompt_weight` x prompt loss (each a
+    token mean, `completion_loss`), and the two parts as floats for reporting. A batch
+    with no prompt token to predict (only `<bos>`) has prompt loss 0."""
+    loss = completion_loss(logits_BTV, batch.labels_BT)
+    completion_value, prompt_value = float(loss.detach()), 0.0
+    if bool((batch.prompt_labels_BT != IGNORE).any()):
+        prompt_loss = completion_loss(logits_BTV, batch.prompt_labels_BT)
+        prompt_value = float(prompt_loss.detach())
+        if prompt_weight > 0:
+            loss = loss + prompt_weight * prompt_loss
+    return loss, completion_value, prompt_value
 
 
 def lr_at(step: int, config: WarmupConfig) -> float:
@@ -194,9 +229,11 @@ def training_batches(config: WarmupConfig, tokenizer: PreTrainedTokenizerFast) -
 
 
 class WarmupResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What a warm-up did: the loss of every step (before its update), its duration."""
+    """What a warm-up did: the completion loss of every step (before its update), the
+    prompt loss beside it (computed even when its weight is 0), its duration."""
 
     losses: tuple[float, ...]
+    prompt_losses: tuple[float, ...]
     seconds: float
     examples: int
 
@@ -210,7 +247,8 @@ def run_warmup(
 ) -> WarmupResult:
     """Train `model` (a causal LM taking input_ids/attention_mask) in place.
 
-    `on_step(step, loss)` is called after every step (progress reporting). The model
+    `on_step(step, loss)` is called after every step with the completion loss
+    (progress reporting). The model
     is left in eval mode. Raises FloatingPointError if the loss becomes non-finite.
     """
     tok = tokenizer if tokenizer is not None else build_byte_tokenizer()
@@ -224,6 +262,7 @@ def run_warmup(
     )
     batches = training_batches(config, tok)
     losses: list[float] = []
+    prompt_losses: list[float] = []
     started = time.perf_counter()
     model.train()
     try:
@@ -232,20 +271,23 @@ def run_warmup(
                 group["lr"] = lr_at(step, config)
             batch = next(batches)
             logits = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
-            loss = completion_loss(logits, batch.labels_BT)
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise FloatingPointError(f"warm-up step {step}: loss is {value}")
+            loss, value, prompt_value = warmup_loss(logits, batch, config.prompt_loss_weight)
+            if not (math.isfinite(value) and math.isfinite(prompt_value)):
+                raise FloatingPointError(f"warm-up step {step}: loss is {value}, prompt loss {prompt_value}")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if config.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
             optimizer.step()
             losses.append(value)
+            prompt_losses.append(prompt_value)
             if on_step is not None:
                 on_step(step, value)
     finally:
         model.eval()
     return WarmupResult(
-        losses=tuple(losses), seconds=time.perf_counter() - started, examples=config.steps * config.batch_size
+        losses=tuple(losses),
+        prompt_losses=tuple(prompt_losses),
+        seconds=time.perf_counter() - started,
+        examples=config.steps * config.batch_size,
     )

