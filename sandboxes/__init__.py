@@ -17,6 +17,7 @@ from .pool import PoolClosedError, SandboxPool, open_sandbox_pool
 from .sandbox import (
     Engine,
     ExecResult,
+    ExecSpec,
     Sandbox,
     SandboxError,
     SandboxGoneError,
@@ -33,6 +34,7 @@ __all__ = [
     "BuildResult",
     "Engine",
     "ExecResult",
+    "ExecSpec",
     "ImageBuildError",
     "ImageRecipe",
     "Limits",

