@@ -1,0 +1,90 @@
+"""The report's HTML page: a pure function of the summary and the plot file names.
+
+Self-contained (inline CSS, no scripts, nothing fetched); images are relative links to
+the PNGs written beside the page.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping
+from urllib.parse import quote
+
+from .records import EvalRow
+from .summary import REWARD_WINDOW, SPLITS, Summary
+
+__all__ = ["fmt_eval", "render_html", "summary_rows"]
+
+_CSS = """
+body { font-family: sans-serif; margin: 2em auto; max-width: 60em; color: #222; }
+table { border-collapse: collapse; margin: 1em 0; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.8em; text-align: left; }
+th { background: #f3f3f3; }
+figure { margin: 2em 0; }
+figcaption { color: #555; }
+img { max-width: 100%; }
+.note { color: #a33; }
+"""
+
+
+def fmt_eval(row: EvalRow | None) -> str:
+    """``"41.5% [36.4, 46.8] (n=200, step 12)"``, or ``"n/a"``."""
+    if row is None:
+        return "n/a"
+    return (f"{100 * row.pass_at_1:.1f}% [{100 * row.ci_low:.1f}, {100 * row.ci_high:.1f}] "
+            f"(n={row.n}, step {row.step})")
+
+
+def _fmt(v: float | None, spec: str, unit: str = "") -> str:
+    return "n/a" if v is None else f"{v:{spec}}{unit}"
+
+
+def summary_rows(s: Summary) -> list[tuple[str, str]]:
+    """(label, value) rows of the summary table, in display order."""
+    rows = []
+    for split in SPLITS:
+        rows.append((f"held-out pass@1, {split}, start", fmt_eval(s.heldout_start.get(split))))
+        rows.append((f"held-out pass@1, {split}, end", fmt_eval(s.heldout_end.get(split))))
+    rows += [
+        (f"training reward, first {REWARD_WINDOW} steps", _fmt(s.reward_start, ".3f")),
+        (f"training reward, last {REWARD_WINDOW} steps", _fmt(s.reward_end, ".3f")),
+        ("optimizer steps", str(s.steps)),
+        ("skipped steps", str(s.skipped_steps)),
+        ("groups trained", str(s.groups)),
+        ("rollouts trained", str(s.trajectories)),
+        ("wall-clock, first to last held-out evaluation", _fmt(s.wall_clock_s, ".0f", " s")),
+        ("trainer busy time (steps + publishing)", f"{s.trainer_busy_s:.0f} s"),
+        ("$ per rollout", "not priced" if s.usd_per_rollout is None else f"${s.usd_per_rollout:.6f}"),
+    ]
+    return rows
+
+
+def render_html(s: Summary, plots: Mapping[str, tuple[str, str]], *, title: str) -> str:
+    """The page: a summary table, then each plot (file name -> (title, caption))."""
+    esc = html.escape
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{esc(title)}</title>",
+        f"<style>{_CSS}</style>",
+        "</head><body>",
+        f"<h1>{esc(title)}</h1>",
+        "<h2>Summary</h2>",
+        "<table>",
+    ]
+    for label, value in summary_rows(s):
+        out.append(f"<tr><th>{esc(label)}</th><td>{esc(value)}</td></tr>")
+    out.append("</table>")
+    for path in s.truncated:
+        out.append(f'<p class="note">{esc(path)}: its last line was cut short (the run was '
+                   "interrupted while writing) and is left out.</p>")
+    out.append("<h2>Plots</h2>")
+    for name, (ptitle, caption) in plots.items():
+        out += [
+            "<figure>",
+            f'<a href="{esc(quote(name))}"><img src="{esc(quote(name))}" alt="{esc(ptitle)}"></a>',
+            f"<figcaption><b>{esc(ptitle)}.</b> {esc(caption)}</figcaption>",
+            "</figure>",
+        ]
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"

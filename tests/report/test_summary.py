@@ -1,0 +1,108 @@
+"""The report's numbers: summary table values, series, and the entropy-bound band."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fleetrl.actors.report.html import fmt_eval, summary_rows
+from fleetrl.actors.report.records import EvalRow
+from fleetrl.actors.report.summary import (bound_ratio_band, eval_series, kl_series,
+                                           staleness_total, summarize, window_mean)
+from fleetrl.actors.weights.metrics import binary_entropy, entropy_bound_bytes
+
+
+def evals(h) -> list[EvalRow]:
+    return [msgspec.convert(r, type=EvalRow) for r in h.default_evals()]
+
+
+def test_summary_numbers(h):
+    steps = [h.step_metrics(i, cost_usd=0.064 * i, trajectories=32) for i in range(1, 11)]
+    s = summarize(steps, evals(h))
+    assert s.steps == 10 and s.groups == 40 and s.trajectories == 320 and s.skipped_steps == 0
+    assert math.isclose(s.reward_start, sum(0.2 + 0.05 * i for i in range(1, 6)) / 5)
+    assert math.isclose(s.reward_end, sum(0.2 + 0.05 * i for i in range(6, 11)) / 5)
+    assert s.heldout_start["fresh"].passed == 70 and s.heldout_end["fresh"].passed == 120
+    assert s.heldout_start["general"].passed == 40 and s.heldout_end["general"].passed == 46
+    assert s.wall_clock_s == 612.5
+    assert math.isclose(s.trainer_busy_s, 10 * 2.5)
+    assert math.isclose(s.usd_per_rollout, 0.064 * 55 / 320)
+
+
+def test_unpriced_run_and_single_eval(h):
+    s = summarize([h.step_metrics(1)], evals(h)[:1])
+    assert s.usd_per_rollout is None
+    assert s.wall_clock_s is None
+    assert "general" not in s.heldout_end
+    rows = dict(summary_rows(s))
+    assert rows["$ per rollout"] == "not priced"
+    assert rows["held-out pass@1, general, end"] == "n/a"
+    assert rows["wall-clock, first to last held-out evaluation"] == "n/a"
+
+
+def test_empty_run():
+    s = summarize([], [])
+    assert s.steps == 0 and s.reward_start is None and s.heldout_start == {}
+
+
+def test_re_evaluated_version_keeps_the_last_row(h):
+    rows = evals(h) + [msgspec.structs.replace(evals(h)[4], passed=100, pass_at_1=0.5)]
+    xs, p, lo, hi = eval_series(rows, "fresh")
+    assert xs == [0, 5, 10] and p[-1] == 0.5
+    assert summarize([], rows).heldout_end["fresh"].passed == 100
+
+
+def test_skipped_steps_and_nan_rewards(h):
+    steps = [h.step_metrics(1), h.step_metrics(1, skipped=True, reward_mean=float("nan")),
+             h.step_metrics(2)]
+    s = summarize(steps, [])
+    assert s.steps == 2 and s.skipped_steps == 1
+    assert math.isclose(s.reward_start, (0.25 + 0.3) / 2)
+
+
+def test_fmt_eval(h):
+    assert fmt_eval(evals(h)[0]) == "35.0% [30.0, 40.0] (n=200, step 0)"
+    assert fmt_eval(None) == "n/a"
+
+
+def test_kl_series_skips_kinds_without_tokens(h):
+    steps = [h.step_metrics(1),
+             h.step_metrics(2, tokens_by_sampler={"torch/float32": 0, "torch/bfloat16": 5, "torch/fp8": 5})]
+    series = kl_series(steps)
+    assert series["torch/float32"] == ([1], [1e-7])
+    assert series["torch/fp8"] == ([1, 2], [1e-2, 1e-2])
+
+
+def test_staleness_total(h):
+    steps = [h.step_metrics(1, staleness_hist={0: 3}), h.step_metrics(2, staleness_hist={2: 1, 0: 1})]
+    assert staleness_total(steps) == {0: 4, 2: 1}
+
+
+def test_window_mean():
+    assert window_mean([1, 2, 3, float("nan"), 4, 5, 6, 7], head=True, k=3) == 2
+    assert window_mean([1, 2, 3, float("nan"), 4, 5, 6, 7], head=False, k=3) == 6
+    assert window_mean([float("nan")], head=True) is None
+
+
+@given(st.floats(min_value=1e-6, max_value=0.999999))
+def test_bound_band_contains_the_exact_bound(density):
+    """For any XOR patterns, the exact bound of actors/weights/metrics lies in the band."""
+    total = 10_000
+    k = max(1, min(total - 1, round(density * total)))
+    low, high = bound_ratio_band(k / total)
+    assert low <= high
+    rng = np.random.default_rng(k)
+    for patterns in (np.full(k, 7, np.uint16), rng.integers(1, 1 << 16, k, dtype=np.uint16)):
+        ratio = 2 * total / entropy_bound_bytes(total, patterns)
+        assert low * (1 - 1e-9) <= ratio <= high * (1 + 1e-9)
+
+
+def test_bound_band_edges():
+    assert bound_ratio_band(0.0) is None and bound_ratio_band(1.0) is None
+    assert bound_ratio_band(float("nan")) is None
+    low, high = bound_ratio_band(0.5)
+    assert high == 16 / binary_entropy(0.5) == 16.0 and low == 16 / 9
