@@ -1,7 +1,7 @@
 # The two commands (see README.md). Both set everything up first; set-up is
 # idempotent and quick when already done.
 VENV ?= .venv
-CONFIG ?=
+CONFIG ?= configs/tiny.toml
 PYTEST_ARGS ?=
 
 .PHONY: setup run test bench clean
@@ -9,8 +9,9 @@ PYTEST_ARGS ?=
 setup:
 	@bash scripts/setup.sh
 
+# the embedded default (docs/tiny-run.md); `make run CONFIG=run.toml` for your own
 run: setup
-	$(VENV)/bin/fleetrl serve $(if $(CONFIG),--config $(CONFIG),)
+	$(VENV)/bin/fleetrl serve --config $(CONFIG)
 
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

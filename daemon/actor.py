@@ -22,6 +22,10 @@ then), and loops over ``ctx.inbox``. The context gives it:
   (at a restart after a crash: the state most recently checkpointed)
 - ``mount(prefix, app, auth=True)``: serve an ASGI app on the control plane
 - ``report_version(key, value)``: shown under the actor in /status
+- ``request_shutdown(reason)``: begin the daemon's graceful shutdown, as SIGTERM does
+  (an actor that has finished the run's work, e.g. a trainer at its step budget)
+- ``await request_checkpoint(reason)``: run every hook and write one checkpoint now
+  (e.g. at a step boundary); returns once it is on disk
 """
 
 from __future__ import annotations
@@ -146,6 +150,29 @@ class ActorContext:
 
     def report_version(self, key: str, value: Any) -> None:
         self._kernel.report_version(self.name, key, value)
+
+    # -- asking the kernel ----------------------------------------------------------
+    def request_shutdown(self, reason: str) -> None:
+        """Begin the daemon's graceful shutdown (the same path as SIGTERM; idempotent).
+
+        Returns at once; drain follows the supervisor's shutdown contract, so this
+        actor's own inbox ends and ``draining`` becomes true like everyone else's.
+        The log line ``shutdown requested`` names this actor and ``reason``.
+        """
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"request_shutdown: reason must be a non-empty string, got {reason!r}")
+        self._kernel.request_shutdown(f"requested by actor {self.name!r}: {reason}")
+
+    async def request_checkpoint(self, reason: str) -> None:
+        """Run every actor's checkpoint hook and write one daemon checkpoint now.
+
+        Returns once the file is written (serialised with periodic checkpoints).
+        Never call it while holding a lock that this actor's own hook takes.
+        A write error (disk full) is raised as OSError; the previous checkpoint stays.
+        """
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"request_checkpoint: reason must be a non-empty string, got {reason!r}")
+        await self._kernel.checkpoint(f"requested by actor {self.name!r}: {reason}")
 
     # -- kernel side --------------------------------------------------------------
     def _close(self) -> None:

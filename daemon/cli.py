@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return ExitCode.CONFIG
     try:
         configure_logging(level=cfg.logging.level, fmt=cfg.logging.format, run_id=state.run_id,
-                          log_dir=state.logs if cfg.logging.file else None)
+                          log_dir=state.logs if cfg.logging.file else None, console=cfg.logging.console)
         sup = Supervisor(cfg, state)
         code = trio.run(sup.run)
         if sup.escalation is not None:

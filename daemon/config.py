@@ -94,6 +94,8 @@ class LoggingSection(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     format: Literal["auto", "json", "console"] = "auto"
     #: also append JSON lines to ``<state>/logs/``
     file: bool = True
+    #: which lines also go to stderr: all, only warnings and errors, or none (the file keeps all)
+    console: Literal["all", "warnings", "none"] = "all"
 
 
 class _ActorTable(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -45,6 +45,22 @@ class _Defaults:
         return event
 
 
+class _ConsoleFilter:
+    """Drops events below ``minimum`` from the stream (after the file sink has them)."""
+
+    def __init__(self, minimum: int) -> None:
+        self.minimum = minimum
+
+    def __call__(self, _logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+        if _LEVELS.get(str(event.get("level", "info")), logging.INFO) < self.minimum:
+            raise structlog.DropEvent
+        return event
+
+
+#: ``[logging] console``: which lines also go to the stream
+CONSOLE_MINIMUM = {"all": 0, "warnings": logging.WARNING, "none": logging.CRITICAL + 1}
+
+
 class _JsonFile:
     """Appends each event as one JSON line to a file, then passes it on."""
 
@@ -74,8 +90,12 @@ def close_logging() -> None:
 
 
 def configure_logging(*, level: str = "info", fmt: str = "auto", run_id: str = "-",
-                      log_dir: Path | None = None, stream: TextIO | None = None) -> bool:
-    """Configure structlog for this process; returns True in service (JSON) mode."""
+                      log_dir: Path | None = None, stream: TextIO | None = None,
+                      console: str = "all") -> bool:
+    """Configure structlog for this process; returns True in service (JSON) mode.
+
+    ``console``: "all" lines, only "warnings" (and errors), or "none" also go to the
+    stream; the file (``log_dir``) always gets every line of ``level`` and above."""
     stream = stream or sys.stderr
     close_logging()
     json_mode = service_mode(fmt, stream)
@@ -93,10 +113,14 @@ def configure_logging(*, level: str = "info", fmt: str = "auto", run_id: str = "
         processors.append(structlog.processors.dict_tracebacks)
         if file_sink is not None:
             processors.append(file_sink)
+        if CONSOLE_MINIMUM[console]:
+            processors.append(_ConsoleFilter(CONSOLE_MINIMUM[console]))
         processors.append(structlog.processors.JSONRenderer(default=str))
     else:
         if file_sink is not None:
             processors.append(file_sink)
+        if CONSOLE_MINIMUM[console]:
+            processors.append(_ConsoleFilter(CONSOLE_MINIMUM[console]))
         colors = hasattr(stream, "isatty") and stream.isatty()
         processors.append(structlog.dev.ConsoleRenderer(colors=colors))
     structlog.configure(

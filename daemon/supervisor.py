@@ -3,7 +3,8 @@
 Shutdown contract
 -----------------
 Shutdown begins on the first SIGTERM or SIGINT, on ``POST /shutdown``, or when
-`Supervisor.request_shutdown` is called. Then, in this order:
+`Supervisor.request_shutdown` is called (also by an actor, through
+``ctx.request_shutdown(reason)``). Then, in this order:
 
 1. *Stop admitting work.* The drain event is set (``ctx.draining`` is true,
    ``ctx.wait_draining()`` returns, ``ctx.wait_unpaused()`` stops blocking) and the
@@ -389,7 +390,7 @@ class Supervisor:
             t0 = time.monotonic()
             states = dict(self._states)
             with trio.move_on_after(self.config.daemon.checkpoint_timeout_s) as scope:
-                for name, hook in list(self._hooks.items()):
+                for name, hook in self._hooks_producers_first():
                     try:
                         value = await hook()
                         _encoder.encode(value)
@@ -410,6 +411,15 @@ class Supervisor:
             self._kmetrics.checkpoint_seconds.observe(time.monotonic() - t0)
             self.log.info("checkpoint written", seq=ckpt.seq, reason=reason,
                           actors=sorted(states))
+
+    def _hooks_producers_first(self) -> list[tuple[str, CheckpointHook]]:
+        """Hooks in reverse start (``after``) order: an actor is captured before the
+        actors it was started after. A producer is normally started after its consumer,
+        so whatever a producer's state counts as sent was sent before the consumer's
+        state is captured: it is in the consumer's snapshot, or still in its inbox
+        (where the consumer's hook can take it), never in neither."""
+        rank = {spec.name: i for i, spec in enumerate(self.config.actors)}
+        return sorted(self._hooks.items(), key=lambda item: -rank.get(item[0], -1))
 
     async def _periodic_checkpoints(self) -> None:
         interval = self.config.daemon.checkpoint_interval_s

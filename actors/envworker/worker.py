@@ -34,7 +34,6 @@ never emitted and its task is not marked finished, so the checkpointed cursor
 from __future__ import annotations
 
 import importlib
-import secrets
 import time
 from typing import Any
 
@@ -54,9 +53,15 @@ from .model import LocalModelClient, PoolModelClient
 from .policy import episode_failure
 from .sources import open_task_source
 
-__all__ = ["Failed", "load_harness", "open_model", "run", "sandbox_limits"]
+__all__ = ["Failed", "group_id_of", "load_harness", "open_model", "run", "sandbox_limits"]
 
 MiB = 1 << 20
+
+
+def group_id_of(task_id: str, index: int, worker: str) -> str:
+    """The id of the group of task number ``index`` run by worker ``worker``: the same
+    on every run of that task, so a re-run after a crash or restart is a duplicate."""
+    return f"{task_id}#{index}@{worker}"
 
 
 class Failed(msgspec.Struct, frozen=True):
@@ -228,7 +233,9 @@ class _Worker:
     # -- one group --------------------------------------------------------------------------
     async def group(self, index: int, task: Task, done: trio.Semaphore) -> None:
         try:
-            group_id = f"{task.id}#{index}-{secrets.token_hex(3)}"
+            # deterministic: a task re-run after a restart gets the same id, so the trainer
+            # refuses a copy of a group it already holds (exactly-once across SIGKILL)
+            group_id = group_id_of(task.id, index, self.ctx.name)
             tracker = GroupTracker(group_id=group_id, task_id=task.id, group_size=self.cfg.group_size,
                                    policy=self.cfg.retry)
             async with trio.open_nursery() as n:

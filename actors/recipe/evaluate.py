@@ -49,6 +49,8 @@ from fleetrl.harness.synthetic import (
 from fleetrl.harness.tasks import Task, reward_from_evaluator
 
 __all__ = [
+    "CHECKER_DRIVER",
+    "CHECKER_STDOUT_FILE",
     "EvalResult",
     "EvalSampling",
     "PassRate",
@@ -62,12 +64,12 @@ Z_95: Final = 1.959963984540054
 """Standard normal quantile of 0.975 (two-sided 95%)."""
 
 _CHECKER_COMMAND: Final = f"python3 -I -S {CHECK_FILE}"
-_STDOUT_FILE: Final = ".checker-stdout"
+CHECKER_STDOUT_FILE: Final = ".checker-stdout"
 
 # The batch driver. Stdlib only; runs under `python3 -I -S` like the evaluator.
 # argv: parallelism, timeout seconds. stdin: one directory per line.
 # stdout: one "index exit_status" line per directory (exit_status -9: killed at timeout).
-_DRIVER: Final = r"""
+CHECKER_DRIVER: Final = r"""
 import os, sys, time, traceback
 
 def run_checker(directory):
@@ -273,7 +275,7 @@ def score_completions(
                 (root / SOLUTION_FILE).write_text(solution_text(task, completions[i]), encoding="utf-8")
                 dirs.append(str(root))
             done = subprocess.run(
-                [interpreter, "-I", "-S", "-c", _DRIVER, str(parallel), repr(timeout), CHECK_FILE],
+                [interpreter, "-I", "-S", "-c", CHECKER_DRIVER, str(parallel), repr(timeout), CHECK_FILE],
                 input="\n".join(dirs) + "\n",
                 capture_output=True,
                 text=True,
@@ -292,7 +294,7 @@ def score_completions(
                         f"task {tasks[i].id!r}: the checker ran past the evaluator timeout "
                         f"({tasks[i].evaluator.timeout_s} s)"
                     )
-                stdout = (Path(dirs[k]) / _STDOUT_FILE).read_text(encoding="utf-8", errors="replace")
+                stdout = (Path(dirs[k]) / CHECKER_STDOUT_FILE).read_text(encoding="utf-8", errors="replace")
                 rewards[i] = reward_from_evaluator(tasks[i], status, stdout)
     return [r for r in rewards if r is not None]
 

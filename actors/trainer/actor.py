@@ -6,24 +6,33 @@ queued, publishes every new version into a `LocalDirStore` under its state direc
 (served on the control plane at ``/weights``), reports its version, exports Prometheus
 metrics, writes one JSON line of `StepMetrics` per step into ``metrics.jsonl``, and
 checkpoints: the daemon's hook (periodic and final), plus its own file every
-``checkpoint_every`` steps and when it ends.
+``checkpoint_every`` steps and when it ends; every ``daemon_checkpoint_every`` steps it
+also asks the daemon for a checkpoint (``ctx.request_checkpoint``), so the daemon's
+file, which holds every actor's state, is taken at step boundaries. Each published version is announced
+(`WeightVersionAvailable`) to the ``announce_to`` actors. With ``max_steps`` and
+``shutdown_when_done`` it asks the daemon to shut down once the budget is spent.
 
 Exactly-once: a group is marked trained in the same locked section as the step that
 trains it, and the checkpoint holds the queued groups and the trained ids, so after a
 crash a group is either still queued (and trained later) or recorded as trained (and a
-re-sent copy is refused as a duplicate).
+re-sent copy is refused as a duplicate). The checkpoint hook first takes into the
+buffer the group the loop has just received (if any) and every group waiting in the
+inbox, so a group a producer has sent is never in neither snapshot (the kernel runs
+producers' hooks before their consumers').
 """
 
 from __future__ import annotations
 
+import sys
 from functools import partial
+from typing import Any
 
 import trio
 
 from fleetrl.actors.buffer import Admitted, BadGroup, Duplicate, StaleGroup, ZeroVariance
 from fleetrl.actors.weights.http import blob_app
 from fleetrl.daemon.actor import ActorContext
-from fleetrl.daemon.messages import RolloutFailed, RolloutGroup
+from fleetrl.daemon.messages import RolloutFailed, RolloutGroup, WeightVersionAvailable
 
 from .batch import BadBatch, check_group
 from .config import TrainerConfig
@@ -56,7 +65,9 @@ class _Metrics:
             ("tokens_per_s", "Generated tokens trained per second, last step"),
             ("delta_ratio", "bf16 bytes / delta bytes of the last published version"),
             ("delta_density", "Fraction of bf16 weights changed by the last version"),
+            ("usd_per_rollout", "Sampling dollars per trajectory of the last batch"),
         )}
+        self.cost = mx.counter("trainer_cost_usd_total", "Sampling dollars of the trained batches")
 
     def group(self, outcome: str) -> None:
         self.mx.counter("trainer_groups_total", "Rollout groups by outcome", {"outcome": outcome}).inc()
@@ -69,6 +80,31 @@ class _Metrics:
                           {"sampler": key}).set(kl)
         self.mx.counter("trainer_steps_total", "Train steps by result",
                         {"result": "skipped" if m.skipped else "trained"}).inc()
+        self.cost.inc(m.cost_usd)
+
+
+class _Progress:
+    """A tqdm bar on stderr: steps of the budget, last reward and pass rate."""
+
+    def __init__(self, enabled: bool, total: int | None, initial: int) -> None:
+        self.bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc="training", unit="step", file=sys.stderr,
+                            dynamic_ncols=True, mininterval=0.5)
+
+    def step(self, m: StepMetrics) -> None:
+        if self.bar is None:
+            return
+        self.bar.set_postfix(version=m.version, reward=f"{m.reward_mean:.3f}", pass_rate=f"{m.pass_rate:.3f}",
+                             refresh=False)
+        self.bar.update(0 if m.skipped else 1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 async def run(cfg: TrainerConfig, ctx: ActorContext, *,
@@ -78,14 +114,26 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
     await trio.to_thread.run_sync(trainer.start, ctx.restored)
     lock = trio.Lock()
     metrics = _Metrics(ctx)
-    try:
-        rejects = ctx.sender(cfg.stale_reports_to) if cfg.stale_reports_to else None
-    except KeyError:
-        raise ValueError(f"TrainerConfig.stale_reports_to = {cfg.stale_reports_to!r} names no "
-                         "configured actor") from None
+
+    def sender(name: str, key: str) -> trio.MemorySendChannel[Any]:
+        try:
+            return ctx.sender(name)
+        except KeyError:
+            raise ValueError(f"TrainerConfig.{key} = {name!r} names no configured actor") from None
+
+    rejects = sender(cfg.stale_reports_to, "stale_reports_to") if cfg.stale_reports_to else None
+    announce = [(name, sender(name, "announce_to")) for name in cfg.announce_to]
+    pending: list[Any] = []  # received by the loop, not yet handled (the hook handles it first)
 
     async def hook() -> bytes:
         async with lock:
+            handle_pending()
+            while trainer.buffer.has_room:  # what producers sent is in this snapshot
+                try:
+                    pending.append(ctx.inbox.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+                handle_pending()
             return await trio.to_thread.run_sync(trainer.snapshot)
 
     ctx.on_checkpoint(hook)
@@ -96,7 +144,19 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
     metrics.step.set(trainer.step)
     ctx.log.info("trainer started", version=trainer.version, step=trainer.step,
                  resumed_from=trainer.resumed_from, queued=len(trainer.buffer))
+    progress = _Progress(cfg.progress, cfg.max_steps, trainer.step)
     task_status.started()
+
+    async def announce_version() -> None:
+        if not announce or trainer.publisher.digest is None:
+            return
+        msg = WeightVersionAvailable(version=trainer.version, digest=trainer.publisher.digest.hex(),
+                                     base=None, blobs=())
+        for name, chan in announce:
+            try:
+                await chan.send(msg)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                ctx.log.info("version not announced: the actor is gone", to=name, version=msg.version)
 
     def report(rej: StaleGroup) -> None:
         metrics.group(rej.reason)
@@ -132,6 +192,17 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
                          already_trained=outcome.trained)
         metrics.queued.set(len(trainer.buffer))
 
+    def handle_pending() -> None:
+        while pending:
+            msg = pending.pop(0)
+            if isinstance(msg, RolloutGroup):
+                offer(msg)
+            elif isinstance(msg, RolloutFailed):
+                metrics.group("attempt_failed")
+            else:
+                metrics.group("ignored")
+                ctx.log.warning("trainer ignored a message it does not handle", type=type(msg).__name__)
+
     async def train_ready() -> None:
         while trainer.ready():
             await ctx.wait_unpaused()
@@ -147,12 +218,37 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
             metrics.queued.set(len(trainer.buffer))
             ctx.report_version("version", trainer.version)
             ctx.report_version("step", trainer.step)
+            progress.step(m)
             ctx.log.info("train step", step=m.step, version=m.version, loss=m.loss,
-                         reward_mean=m.reward_mean, skipped=m.skipped)
+                         reward_mean=m.reward_mean, pass_rate=m.pass_rate, skipped=m.skipped,
+                         usd_per_rollout=m.usd_per_rollout)
+            if not m.skipped:
+                await announce_version()
+                every = cfg.daemon_checkpoint_every
+                if every is not None and trainer.step % every == 0 and not trainer.done:
+                    await checkpoint_daemon(f"step {trainer.step}")
 
+    async def checkpoint_daemon(reason: str) -> None:
+        try:
+            await ctx.request_checkpoint(reason)
+        except OSError as exc:  # disk full: the trainer's own file was written; keep training
+            ctx.log.error("daemon checkpoint failed", error=f"{type(exc).__name__}: {exc}")
+
+    finished = False
     try:
+        await announce_version()
         while True:
             await train_ready()
+            if trainer.done and not finished:
+                finished = True
+                progress.close()
+                async with lock:
+                    await trio.to_thread.run_sync(trainer.write_checkpoint)
+                ctx.log.info("step budget reached", step=trainer.step, version=trainer.version,
+                             max_steps=cfg.max_steps)
+                if cfg.shutdown_when_done:
+                    await checkpoint_daemon(f"step budget reached at step {trainer.step}")
+                    ctx.request_shutdown(f"trainer reached max_steps={cfg.max_steps}")
             if not trainer.buffer.has_room:
                 # only when max_steps is reached: hold the inbox (backpressure) until drained
                 await ctx.wait_draining()
@@ -161,19 +257,16 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
                 msg = await ctx.inbox.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 break
-            if isinstance(msg, RolloutGroup):
-                async with lock:
-                    offer(msg)
-            elif isinstance(msg, RolloutFailed):
-                metrics.group("attempt_failed")
-            else:
-                metrics.group("ignored")
-                ctx.log.warning("trainer ignored a message it does not handle", type=type(msg).__name__)
+            pending.append(msg)
+            async with lock:
+                handle_pending()
     finally:
+        progress.close()
         with trio.CancelScope(shield=True):
             async with lock:
                 await trio.to_thread.run_sync(trainer.write_checkpoint)
-        if rejects is not None:
-            rejects.close()
+        for chan in [rejects, *(c for _, c in announce)]:
+            if chan is not None:
+                chan.close()
         ctx.log.info("trainer stopped", version=trainer.version, step=trainer.step,
                      queued=len(trainer.buffer))

@@ -88,6 +88,18 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Seed of torch's RNG at the first start (restored from the checkpoint afterwards)."""
     stale_reports_to: str | None = None
     """Actor that receives `StaleGroup` rejections (the sampler pool), or None to only count them."""
+    daemon_checkpoint_every: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] | None = None
+    """Ask the daemon for a checkpoint (every actor's state, one atomic file) every this
+    many steps, so the producers' task cursors and the trainer's buffer are captured
+    together at step boundaries; None: only the daemon's periodic and final ones."""
+    announce_to: tuple[str, ...] = ()
+    """Actors sent a `WeightVersionAvailable` for every published version (the sampler
+    pool: it moves its staleness bound and makes local samplers sync; an evaluator)."""
+    shutdown_when_done: bool = False
+    """At ``max_steps``: write the checkpoint and ask the daemon to shut down (the run's
+    budget is spent; an evaluator then runs its final evaluation while draining)."""
+    progress: bool = False
+    """Draw a tqdm bar on stderr (steps of ``max_steps``, reward, pass rate)."""
 
     def __post_init__(self) -> None:
         o = "TrainerConfig"
@@ -116,6 +128,13 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.buffer_capacity < self.groups_per_step:
             raise ValueError(f"{o}.buffer_capacity ({self.buffer_capacity}) must be >= "
                              f"groups_per_step ({self.groups_per_step})")
+        if self.daemon_checkpoint_every is not None:
+            _num(o, "daemon_checkpoint_every", self.daemon_checkpoint_every, low=1, high=1_000_000, integer=True)
+        if self.shutdown_when_done and self.max_steps is None:
+            raise ValueError(f"{o}.shutdown_when_done needs max_steps (the step budget)")
+        for i, name in enumerate(self.announce_to):
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{o}.announce_to[{i}] must be an actor name, got {name!r}")
         if not isinstance(self.corrections, CorrectionConfig):
             raise ValueError(f"{o}.corrections must be a CorrectionConfig")
 

@@ -25,9 +25,15 @@ from .batch import build_batch
 from .config import TrainerConfig
 from .step import StepMetrics, build_optimizer, master_bf16, train_step
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "batch_cost_usd"]
 
 LOCAL_CKPT_KEY = "trainer"
+
+
+def batch_cost_usd(groups: Sequence[RolloutGroup]) -> float:
+    """Dollars the samplers spent on ``groups``: the sum of every segment's ``cost_usd``
+    (each model call's share of its sampler's measured busy time x price)."""
+    return float(sum(seg.cost_usd for g in groups for t in g.trajectories for seg in t.segments))
 
 
 class Trainer:
@@ -83,8 +89,7 @@ class Trainer:
         except BlobNotFound:
             last = None
         if last is not None:
-            self.publisher.version = last
-            self.publisher._resync = True  # no shadow of `last` here: publish a full anchor
+            self.publisher.resume_after(last)  # no shadow of `last` here: a full anchor next
         vm = self.publisher.publish(master_bf16(self.model))
         self.version = vm.version
 
@@ -117,6 +122,9 @@ class Trainer:
                        temperature=self.cfg.temperature, grad_clip=self.cfg.grad_clip,
                        pass_threshold=self.cfg.pass_threshold, step=self.step,
                        trainer_version=self.version)
+        cost = batch_cost_usd(groups)
+        m = msgspec.structs.replace(m, cost_usd=cost,
+                                    usd_per_rollout=cost / m.trajectories if m.trajectories else 0.0)
         if m.skipped:
             m = msgspec.structs.replace(m, version=self.version)
         else:

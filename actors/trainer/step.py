@@ -66,6 +66,10 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     """Fraction of bf16 elements that changed (set by the actor)."""
     delta_bytes: int = 0
     publish_s: float = 0.0
+    cost_usd: float = 0.0
+    """Sampling cost of the batch: the sum of its segments' ``cost_usd`` (set by the trainer)."""
+    usd_per_rollout: float = 0.0
+    """``cost_usd`` / trajectories of the batch."""
     skipped: bool = False
     skipped_reason: str = ""
 

@@ -1,0 +1,77 @@
+"""Pure parts of the evaluator: the ``eval.jsonl`` record, when to evaluate, and which
+step a version belongs to."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from fleetrl.actors.recipe import pass_rate_with_ci
+
+__all__ = ["EvalRecord", "EvalState", "is_due", "make_record", "step_of"]
+
+
+class EvalRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of ``eval.jsonl``: pass@1 of one version on one evaluation set."""
+
+    version: int
+    step: int
+    split: str
+    n: int
+    passed: int
+    pass_at_1: float
+    ci_low: float
+    """Wilson 95% interval of ``pass_at_1``."""
+    ci_high: float
+    mean_reward: float
+    """Mean fraction of hidden tests passed."""
+    time: float
+    """Unix time the evaluation finished."""
+
+
+class EvalState(msgspec.Struct, frozen=True):
+    """The evaluator's checkpointed state: the versions it has evaluated."""
+
+    evaluated: tuple[int, ...] = ()
+
+
+def make_record(*, version: int, step: int, split: str, rewards: Sequence[float], time: float) -> EvalRecord:
+    """The record of one evaluation (a task passes when its reward is 1.0)."""
+    n = len(rewards)
+    if n < 1:
+        raise ValueError("an evaluation needs at least one task")
+    passed = sum(1 for r in rewards if r == 1.0)
+    ci = pass_rate_with_ci(passed, n)
+    return EvalRecord(version=version, step=step, split=split, n=n, passed=passed, pass_at_1=ci.rate,
+                      ci_low=ci.low, ci_high=ci.high, mean_reward=float(sum(rewards)) / n, time=time)
+
+
+def is_due(version: int, evaluated: Iterable[int], every: int) -> bool:
+    """Evaluate ``version`` now? When nothing was evaluated yet, or it is at least
+    ``every`` versions past the newest evaluated one."""
+    done = list(evaluated)
+    if version in done:
+        return False
+    return not done or version >= max(done) + every
+
+
+def step_of(version: int, metrics_lines: Iterable[str]) -> int:
+    """The trainer step that produced ``version``, from its ``metrics.jsonl`` lines: the
+    step of the line with this version, else of the newest line below it (a version a
+    restarted trainer published without a step: the same weights), else 0."""
+    best_v, best_step = -1, 0
+    for line in metrics_lines:
+        try:
+            row = json.loads(line)
+            v, step, skipped = int(row["version"]), int(row["step"]), bool(row.get("skipped", False))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by a crash
+        if skipped:
+            continue
+        if v == version:
+            return step
+        if best_v < v < version:
+            best_v, best_step = v, step
+    return best_step

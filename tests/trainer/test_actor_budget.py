@@ -1,0 +1,130 @@
+"""The trainer wired into a run with a budget: it announces every version to the
+``announce_to`` actors, asks the daemon for a checkpoint every
+``daemon_checkpoint_every`` steps, ends the run by itself at ``max_steps``
+(``shutdown_when_done``: the daemon exits 0 with no outside signal), and accounts the
+samplers' cost per step (``cost_usd``, ``usd_per_rollout``)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from fleetrl.actors.model import BOS_ID
+from fleetrl.actors.trainer import TrainerConfig
+from fleetrl.actors.trainer import checkpoint as ck
+from fleetrl.daemon.checkpoint import CheckpointStore
+from fleetrl.daemon.config import load_config_text
+from fleetrl.daemon.faults import ExitCode
+from fleetrl.daemon.messages import WeightVersionAvailable
+from fleetrl.daemon.state import StateDir
+from fleetrl.daemon.supervisor import Supervisor
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def feed(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    import trainer_test_actors
+
+    trainer_test_actors.FEED.clear()
+    trainer_test_actors.GOT.clear()
+    yield trainer_test_actors
+    trainer_test_actors.FEED.clear()
+    trainer_test_actors.GOT.clear()
+
+
+def _priced(group, usd_per_call: float):
+    """The group with every model call costing ``usd_per_call``."""
+    trajs = tuple(msgspec.structs.replace(t, segments=tuple(
+        msgspec.structs.replace(s, cost_usd=usd_per_call) for s in t.segments)) for t in group.trajectories)
+    return msgspec.structs.replace(group, trajectories=trajs)
+
+
+async def test_budget_ends_the_run_announcing_versions_and_costing_rollouts(model_dir, groups, feed, tmp_path):
+    prompt = [BOS_ID, *b"def f(x):"]
+    feed.FEED.extend(_priced(groups.sampled(model_dir, f"g{i}", prompt, [1.0, 0.0, 0.5], seed=40 + i), 0.01 * (i + 1))
+                     for i in range(5))
+    text = f"""
+[daemon]
+grace_s = 60.0
+checkpoint_interval_s = 1000.0
+[http]
+enabled = false
+[actors.pool]
+factory = "trainer_test_actors:sink"
+[actors.trainer]
+factory = "fleetrl.actors.trainer:run"
+inbox = 8
+[actors.trainer.config]
+model_dir = "{model_dir}"
+groups_per_step = 2
+lr = 1e-2
+max_staleness = 100
+max_steps = 2
+daemon_checkpoint_every = 1
+announce_to = ["pool"]
+shutdown_when_done = true
+[actors.feeder]
+factory = "trainer_test_actors:feeder"
+after = ["trainer"]
+"""
+    state = StateDir(tmp_path / "state").open()
+    sup = Supervisor(load_config_text(text, source="test.toml"), state, rng=random.Random(0))
+    with state, trio.fail_after(180):
+        code = await sup.run(handle_signals=False)  # nobody asks it to stop: the budget does
+    assert code == ExitCode.OK
+    assert sup._shutdown_reason == "requested by actor 'trainer': trainer reached max_steps=2"
+    # every published version was announced, in order, with its digest
+    announced = [m for m in feed.GOT if isinstance(m, WeightVersionAvailable)]
+    assert [m.version for m in announced] == [0, 1, 2]
+    assert all(m.base is None and len(m.digest) > 0 for m in announced)
+    # checkpoints: requested at step 1, at the budget (step 2), then the final one
+    ckpt, _ = CheckpointStore(state.checkpoints).load_latest()
+    assert ckpt.seq == 3
+    tc = ck.decode(ckpt.actors["trainer"])
+    assert tc.step == 2 and len(tc.buffer.trained_ids) == 4
+    # $ per rollout: the sum of the batch's per-call costs over its trajectories
+    lines = [json.loads(x) for x in (tmp_path / "state" / "actors" / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    for line, pair in zip(lines, [(0, 1), (2, 3)], strict=True):
+        expect = sum(3 * 0.01 * (i + 1) for i in pair)  # 3 trajectories x 1 call each
+        assert line["cost_usd"] == pytest.approx(expect)
+        assert line["usd_per_rollout"] == pytest.approx(expect / 6)
+    assert b'fleetrl_trainer_cost_usd_total{actor="trainer"}' in sup.metrics_text()
+
+
+def test_budget_config_is_checked(model_dir):
+    with pytest.raises(ValueError, match="shutdown_when_done needs max_steps"):
+        TrainerConfig(model_dir=model_dir, shutdown_when_done=True)
+    with pytest.raises(ValueError, match=r"announce_to\[0\] must be an actor name"):
+        TrainerConfig(model_dir=model_dir, announce_to=("",))
+    with pytest.raises(ValueError, match="daemon_checkpoint_every must be in"):
+        TrainerConfig(model_dir=model_dir, daemon_checkpoint_every=0)
+
+
+async def test_unknown_announce_target_is_a_clear_error(model_dir, tmp_path):
+    text = f"""
+[daemon]
+grace_s = 5.0
+[http]
+enabled = false
+[supervisor.restart]
+intensity = 1
+backoff_base_s = 0.1
+jitter = 0.0
+[actors.trainer]
+factory = "fleetrl.actors.trainer:run"
+config = {{model_dir = "{model_dir}", announce_to = ["nobody"]}}
+"""
+    state = StateDir(tmp_path / "state").open()
+    sup = Supervisor(load_config_text(text, source="test.toml"), state, rng=random.Random(0))
+    with state, trio.fail_after(120):
+        code = await sup.run(handle_signals=False)
+    assert code == ExitCode.ESCALATED
+    assert "TrainerConfig.announce_to = 'nobody' names no configured actor" in str(sup.escalation)
