@@ -1,7 +1,7 @@
 """The endpoint and a built-in harness over the real tiny model and torch sampler backend.
 
-The adapter below is the test's own model client: it runs the backend's blocking
-``generate`` in a worker thread and converts its result to the wire `Generation`.
+The model client is the shared `fakes.TorchClient`: the backend's blocking ``generate``
+in a worker thread, its result converted to the wire `Generation`.
 """
 
 from __future__ import annotations
@@ -10,13 +10,10 @@ import numpy as np
 import openai
 import pytest
 import trio
-from fakes import FakeSandbox, serving
+from fakes import FakeSandbox, TorchClient, serving
 
 from fleetrl.actors.model import TinyLlamaSpec, create_tiny_llama, save_byte_tokenizer
-from fleetrl.actors.samplers.base import SamplingParams as BackendParams
 from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
-from fleetrl.daemon.messages import Generation, SamplerIdentity, SamplingParams, SupportCSR
-from fleetrl.daemon.protocol import Tensor
 from fleetrl.harness.builtin import ShellAgentHarness
 from fleetrl.harness.model import HFChatTokenizer
 from fleetrl.harness.openai_api import AttemptRegistry, EndpointConfig, create_app
@@ -24,40 +21,6 @@ from fleetrl.harness.tasks import Evaluator, Limits, Task
 
 SPEC = TinyLlamaSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                      max_position_embeddings=1024, initializer_range=0.1)
-
-
-class TorchClient:
-    """A ModelClient over a TorchBackend (blocking generate in a worker thread)."""
-
-    def __init__(self, backend: TorchBackend, tokenizer) -> None:
-        self.backend = backend
-        self._tok = tokenizer
-        self.requests: list[tuple[list[int], BackendParams]] = []
-
-    @property
-    def tokenizer(self):
-        return self._tok
-
-    async def generate(self, prompt_ids, params: SamplingParams) -> Generation:
-        bp = BackendParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                           top_k=params.top_k, stop_ids=tuple(params.stop_ids), seed=params.seed)
-        self.requests.append((list(prompt_ids), bp))
-        (g,) = await trio.to_thread.run_sync(self.backend.generate, [list(prompt_ids)], bp)
-        ident = self.backend.identity
-        return Generation(
-            request_id=f"torch-{len(self.requests)}",
-            token_ids=Tensor.from_numpy(np.asarray(g.token_ids, dtype=np.int64)),
-            logprobs=Tensor.from_numpy(np.asarray(g.logprobs, dtype=np.float32)),
-            support=SupportCSR(
-                ids=Tensor.from_numpy(np.asarray(g.support_ids, dtype=np.int64)),
-                logprobs=Tensor.from_numpy(np.asarray(g.support_logprobs, dtype=np.float32)),
-                offsets=Tensor.from_numpy(np.asarray(g.support_offsets, dtype=np.int64)),
-            ),
-            versions=Tensor.from_numpy(np.asarray(g.versions, dtype=np.int64)),
-            sampler=SamplerIdentity(sampler_id="torch-test", backend=ident.backend, device_kind=ident.device,
-                                    dtype=ident.dtype),
-            finish_reason=g.finish_reason,
-        )
 
 
 @pytest.fixture(scope="module")
