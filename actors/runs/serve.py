@@ -51,7 +51,8 @@ class MetricsTail:
         self._buf = b""
         self.groups = 0
 
-    def poll(self) -> list[dict]:
+    def poll(self) -> list[tuple[dict, int]]:
+        """The new complete lines, each with the groups trained up to and including it."""
         try:
             with self.path.open("rb") as fh:
                 fh.seek(self._offset)
@@ -69,7 +70,7 @@ class MetricsTail:
                 continue  # a malformed line: the report names it; the watcher only times steps
             if isinstance(row, dict):
                 self.groups += int(row.get("groups", 0) or 0)
-                out.append(row)
+                out.append((row, self.groups))
         return out
 
 
@@ -117,8 +118,8 @@ def run_serve(config: Path, state_dir: Path, log_path: Path, *, metrics_path: Pa
         try:
             while True:
                 done = proc.poll() is not None
-                for row in tail.poll():
-                    s = StepSeen(time.monotonic() - t0, int(row.get("step", 0) or 0), tail.groups)
+                for row, groups in tail.poll():
+                    s = StepSeen(time.monotonic() - t0, int(row.get("step", 0) or 0), groups)
                     seen.append(s)
                     if on_step is not None:
                         on_step(s)
