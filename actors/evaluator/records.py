@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import msgspec
 
@@ -18,7 +19,7 @@ class EvalRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     version: int
     step: int
-    split: str
+    split: Literal["fresh", "general"]
     n: int
     passed: int
     pass_at_1: float

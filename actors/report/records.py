@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
+from fleetrl.actors.evaluator.records import EvalRecord
 from fleetrl.actors.trainer.step import StepMetrics
 
 __all__ = [
@@ -32,19 +33,9 @@ class ReportInputError(ValueError):
     """A metrics or eval file cannot be read; the message names ``file:line``."""
 
 
-class EvalRow(msgspec.Struct, frozen=True, kw_only=True):
-    """One held-out evaluation (one line of ``eval.jsonl``; extra keys are ignored)."""
-
-    version: int
-    step: int
-    split: Literal["fresh", "general"]
-    n: int
-    passed: int
-    pass_at_1: float
-    ci_low: float
-    ci_high: float
-    mean_reward: float
-    time: float
+EvalRow = EvalRecord
+"""One held-out evaluation: the evaluator's own record type (one line of ``eval.jsonl``;
+extra keys are ignored)."""
 
 
 class Log(msgspec.Struct, frozen=True, kw_only=True):
