@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
@@ -196,8 +196,21 @@ def build_parser(*, load_groups: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def group_main(registers: Iterable[Callable[[Any], None]], argv: Sequence[str] | None = None) -> int:
+    """``python -m`` entry of a command-group module: the ``fleetrl`` CLI with only the
+    groups that ``registers`` add (usable before the package's entry points are installed)."""
+    parser = argparse.ArgumentParser(prog="fleetrl")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for register in registers:
+        register(sub)
+    return _parse_and_run(parser, argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    return _parse_and_run(build_parser(), argv)
+
+
+def _parse_and_run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or usage error (2)

@@ -12,7 +12,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["build_parser", "cmd_report", "main", "register"]
+from fleetrl.daemon.cli import group_main
+
+__all__ = ["cmd_report", "main", "register"]
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -44,18 +46,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_report)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fleetrl")
-    register(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return int(args.func(args))
+    return group_main((register,), argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["build_parser", "main", "register_ablate", "register_bench"]
+from fleetrl.daemon.cli import group_main
+
+__all__ = ["main", "register_ablate", "register_bench"]
 
 
 def _err(prog: str, msg: str) -> int:
@@ -129,20 +131,8 @@ def register_bench(subparsers) -> None:
     a.set_defaults(func=cmd_bench_async)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fleetrl")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register_ablate(sub)
-    register_bench(sub)
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return int(args.func(args))
+    return group_main((register_ablate, register_bench), argv)
 
 
 if __name__ == "__main__":
