@@ -4,6 +4,7 @@ factory of RolloutGroups (hand-built, or sampled by the real torch backend)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,23 @@ from fleetrl.daemon.protocol import Tensor
 SPEC = TinyLlamaSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
                      intermediate_size=128, max_position_embeddings=256, initializer_range=0.1)
 
+HERE = Path(__file__).resolve().parent
+
 IDENT = m.SamplerIdentity(sampler_id="s0", backend="torch", device_kind="cpu", dtype="float32")
+
+
+@pytest.fixture
+def feed(monkeypatch: pytest.MonkeyPatch):
+    """The scripted actors of trainer_test_actors.py, importable by the daemon, their
+    feed and catch emptied before and after the test."""
+    monkeypatch.syspath_prepend(str(HERE))
+    import trainer_test_actors
+
+    trainer_test_actors.FEED.clear()
+    trainer_test_actors.GOT.clear()
+    yield trainer_test_actors
+    trainer_test_actors.FEED.clear()
+    trainer_test_actors.GOT.clear()
 
 
 @pytest.fixture(autouse=True)

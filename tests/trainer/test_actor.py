@@ -23,7 +23,6 @@ from fleetrl.daemon.messages import RolloutFailed
 from fleetrl.daemon.state import StateDir
 from fleetrl.daemon.supervisor import Supervisor
 
-HERE = Path(__file__).resolve().parent
 
 BASE = """
 [daemon]
@@ -32,18 +31,6 @@ checkpoint_interval_s = 1000.0
 [http]
 enabled = false
 """
-
-
-@pytest.fixture
-def feed(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(HERE))
-    import trainer_test_actors
-
-    trainer_test_actors.FEED.clear()
-    trainer_test_actors.GOT.clear()
-    yield trainer_test_actors
-    trainer_test_actors.FEED.clear()
-    trainer_test_actors.GOT.clear()
 
 
 def _config(model_dir: str, **extra) -> str:

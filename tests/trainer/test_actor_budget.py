@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -24,19 +23,6 @@ from fleetrl.daemon.messages import WeightVersionAvailable
 from fleetrl.daemon.state import StateDir
 from fleetrl.daemon.supervisor import Supervisor
 
-HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture
-def feed(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(HERE))
-    import trainer_test_actors
-
-    trainer_test_actors.FEED.clear()
-    trainer_test_actors.GOT.clear()
-    yield trainer_test_actors
-    trainer_test_actors.FEED.clear()
-    trainer_test_actors.GOT.clear()
 
 
 def _priced(group, usd_per_call: float):
