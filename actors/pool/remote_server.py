@@ -11,7 +11,10 @@ One binary WebSocket message = one msgpack message of the `FLEET` conversation:
 
 1. sampler -> daemon: `Join` (token, identity, protocol, capacity, price per hour). A bad token, a
    first message that is not a `Join`, an undecodable frame or an old protocol is
-   answered by `Refused(reason)` and the connection is closed (code 1008).
+   answered by `Refused(reason)`; the daemon then sends nothing more and waits for the
+   sampler to hang up (`remote_client` does at once), closing the connection itself
+   (code 1008) only after ``refuse_linger_s``. Closing at once would race the peer's
+   close inside hypercorn (`_close_after_peer`).
 2. daemon -> sampler: `Welcome` (assigned sampler id, run id, protocol, heartbeat
    interval, newest weight version).
 3. sampler -> daemon: `SamplerStatus` once its weights are current; only then does it
@@ -106,8 +109,10 @@ class RemoteSampler:
 
 
 def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float = 2.0,
-              heartbeat_timeout_s: float = 10.0) -> Starlette:
-    """The ASGI app with the ``/join`` WebSocket route (see the module docstring)."""
+              heartbeat_timeout_s: float = 10.0, refuse_linger_s: float = 2.0) -> Starlette:
+    """The ASGI app with the ``/join`` WebSocket route (see the module docstring).
+    `refuse_linger_s`: how long a refused peer is given to hang up before the daemon
+    closes the connection itself (`_close_after_peer`)."""
     codec = m.FLEET
 
     async def join(ws: WebSocket) -> None:
@@ -123,7 +128,7 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
             pool._emit("remote refused", reason=reason, client=str(ws.client), level="warning")
             try:
                 await send(m.Refused(reason=reason))
-                await ws.close(code=CLOSE_POLICY, reason=reason[:100])
+                await _close_after_peer(ws, refuse_linger_s, code=CLOSE_POLICY, reason=reason[:100])
             except Exception:
                 pass
 
@@ -160,6 +165,7 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
         handle = RemoteSampler(sid, send, capacity=hello.capacity, heartbeat_timeout_s=heartbeat_timeout_s)
         why = "connection closed"
         joined = False
+        peer_gone = False
         try:
             await send(m.Welcome(sampler_id=sid, run_id=run_id, protocol=PROTOCOL_VERSION,
                                  heartbeat_s=heartbeat_s, version=pool.trainer_version))
@@ -187,6 +193,7 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
                         data = await _receive(ws, heartbeat_timeout_s)
                         if data is None:
                             why = f"silent for {heartbeat_timeout_s} s (or disconnected)"
+                            peer_gone = True  # or silent: then nothing is waited for
                             break
                         handle.last_heard = trio.current_time()
                         try:
@@ -224,11 +231,33 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
             pool.mark_dead(sid, why)
             with trio.CancelScope(shield=True):
                 try:
-                    await ws.close()
+                    if peer_gone:
+                        await ws.close()
+                    else:  # a Leave: the sampler hangs up next
+                        await _close_after_peer(ws, refuse_linger_s)
                 except Exception:
                     pass
 
     return Starlette(routes=[WebSocketRoute("/join", join)])
+
+
+async def _close_after_peer(ws: WebSocket, linger_s: float, *, code: int = 1000, reason: str = "") -> None:
+    """End a conversation whose last word was ours: wait up to `linger_s` for the peer
+    to hang up (frames it still sends are dropped), and close only if it has not.
+
+    Closing at once would race the peer's own close: hypercorn 0.18 then answers the
+    peer's close frame and ends the stream from its reading task while our close frame
+    is being sent from this one, and the stream's ``send_all`` raises
+    ``trio.BusyResourceError``, which takes down the whole server (every other
+    connection with it). A well-behaved peer (`remote_client`) hangs up as soon as it
+    reads a `Refused`, so the daemon never sends after that; a peer that does not is
+    closed after `linger_s` with `code`."""
+    with trio.move_on_after(linger_s):
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+    await ws.close(code=code, reason=reason)
 
 
 async def _receive(ws: WebSocket, timeout_s: float) -> bytes | None:

@@ -141,6 +141,57 @@ async def test_wrong_token_is_refused(model_dir):
             stop.set()
 
 
+async def test_a_refused_sampler_that_hangs_up_gets_no_competing_close():
+    """The daemon says Refused and then waits for the peer to hang up: a client that
+    closes at once (code 4000) completes its own close handshake, the daemon's 1008
+    never crosses it. (An immediate daemon-side close raced the client's close inside
+    hypercorn, whose BusyResourceError took the whole control plane down with every
+    other sampler's connection.) The control plane never restarts meanwhile."""
+    pool = SamplerPool()
+    ident = m.SamplerIdentity(sampler_id="x", backend="fake", device_kind="cpu", dtype="float32")
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n:
+            url, stop = await _serve(n, pool, refuse_linger_s=30.0)
+            members = await n.start(_nursery)
+            good = await members.start(_member, url)
+            await _wait_for(lambda: good in pool.handles)
+
+            async def refused_then_hang_up(codes):
+                async with open_websocket_url(url) as ws:
+                    await ws.send_message(m.FLEET.encode(m.Join(token="nope", identity=ident)))
+                    assert isinstance(m.FLEET.decode(await ws.get_message()), m.Refused)
+                    await ws.aclose(code=4000)
+                    codes.append(ws.closed.code)
+            codes: list[int] = []
+            async with trio.open_nursery() as storm:
+                for _ in range(40):
+                    storm.start_soon(refused_then_hang_up, codes)
+            assert codes == [4000] * 40
+            assert good in pool.handles  # the good member's connection outlived the storm
+            members.cancel_scope.cancel()
+            stop.set()
+
+
+async def _nursery(*, task_status=trio.TASK_STATUS_IGNORED):
+    async with trio.open_nursery() as n:
+        task_status.started(n)
+        await trio.sleep_forever()
+
+
+async def _member(url, *, task_status=trio.TASK_STATUS_IGNORED):
+    """A joined member that keeps heartbeating until cancelled; started() gives its id."""
+    async with open_websocket_url(url) as ws:
+        ident = m.SamplerIdentity(sampler_id="x", backend="fake", device_kind="cpu", dtype="float32")
+        await ws.send_message(m.FLEET.encode(m.Join(token=TOKEN, identity=ident)))
+        welcome = m.FLEET.decode(await ws.get_message())
+        await ws.send_message(m.FLEET.encode(m.SamplerStatus(
+            sampler_id=welcome.sampler_id, version=0, digest="d", queue_depth=0, tokens_per_s=0.0)))
+        task_status.started(welcome.sampler_id)
+        while True:
+            await trio.sleep(0.2)
+            await ws.send_message(m.FLEET.encode(m.Heartbeat(sampler_id=welcome.sampler_id, sent_at=0.0)))
+
+
 async def test_first_message_must_be_join_and_bad_frames_are_rejected(model_dir):
     pool = SamplerPool()
     with trio.fail_after(30):
