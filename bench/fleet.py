@@ -14,6 +14,11 @@
    log-probs against the fp32 trainer's replay (transformers + fleetrl.grpo).
 4. How often vLLM's *own* top-k/top-p rule would pick another support than fleetrl's
    (on fp32 reference logits of sampled text): why the vLLM backend masks the logits itself.
+5a. Batching: N concurrent single requests (unseeded, 48 tokens, the harness's sampling)
+   through one torch fp32 `LocalSampler`, one backend call per request (``max_batch=1``,
+   capacity 2: how the embedded config ran before batching) vs the batching sampler
+   (``capacity=N``, ``max_batch=64``), same process, same backend; requests/s and the
+   ratio. ``--only batching`` runs just this part.
 5. Routing: the same workload (Poisson arrivals) through `SamplerPool` with least-loaded
    and with cost-aware routing, a fast dear and a slow cheap sampler; $ per 1k tokens as
    the pool's registry measures it, ratio = cost-aware / least-loaded. The samplers are
@@ -372,6 +377,57 @@ def bench_routing(args) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- batching
+
+
+async def serve_concurrently(sampler: LocalSampler, reqs: list[m.GenerateRequest]) -> tuple[float, int]:
+    """All `reqs` at once through `sampler`; (wall seconds, tokens generated)."""
+    tokens = 0
+
+    async def one(req: m.GenerateRequest) -> None:
+        nonlocal tokens
+        res = await sampler.generate(req, lambda: None)
+        assert isinstance(res, m.Generation), res
+        tokens += int(res.token_ids.shape[0])
+
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as n:
+        for req in reqs:
+            n.start_soon(one, req)
+    return time.perf_counter() - t0, tokens
+
+
+def bench_batching(model_dir: Path, args) -> dict:
+    """N concurrent single requests (unseeded, the harness's sampling) through one torch
+    fp32 backend: one backend call per request (``max_batch=1``, ``capacity`` as the
+    embedded config had it: the behaviour before batching) vs the batching sampler."""
+    n = args.batching_requests
+    prompts = make_prompts(n, args.prompt_len, seed=3)
+    reqs = [m.GenerateRequest(request_id=f"r{i}", attempt_id=f"a{i}",
+                              prompt_ids=Tensor.from_numpy(np.asarray(p, dtype=np.int64)),
+                              params=m.SamplingParams(max_tokens=args.batching_tokens, temperature=1.0, top_p=TOP_P))
+            for i, p in enumerate(prompts)]
+    backend = TorchBackend(TorchBackendConfig(model_dir=str(model_dir), dtype="fp32"))
+    modes = {"one_call_per_request": dict(capacity=args.batching_baseline_capacity, max_batch=1),
+             "batched": dict(capacity=n, max_batch=args.max_batch)}
+    runs: dict[str, list[tuple[float, int]]] = {k: [] for k in modes}
+    calls: dict[str, int] = {}
+    for _ in range(args.repeats):
+        for name, kw in modes.items():  # interleaved, so load drift hits both alike
+            sampler = LocalSampler(name, backend, **kw)
+            runs[name].append(trio.run(serve_concurrently, sampler, reqs))
+            calls[name] = sampler.statistics().calls
+    out: dict = {"requests": n, "max_tokens": args.batching_tokens, "prompt_len": args.prompt_len}
+    for name, kw in modes.items():
+        wall = statistics.median(w for w, _ in runs[name])
+        tokens = runs[name][-1][1]
+        out[name] = {**kw, "backend_calls": calls[name], "wall_s_median": wall, "requests_per_s": n / wall,
+                     "tokens_per_s": tokens / wall}
+    out["ratio_batched_vs_one_call_per_request"] = (out["batched"]["requests_per_s"]
+                                                    / out["one_call_per_request"]["requests_per_s"])
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -394,14 +450,31 @@ def main() -> None:
     ap.add_argument("--max-latency-s", type=float, default=20.0, help="cost-aware routing's latency bound")
     ap.add_argument("--routing-real", action="store_true", help="route over two real torch backends")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batching-requests", type=int, default=64, help="concurrent requests (batching part)")
+    ap.add_argument("--batching-tokens", type=int, default=48, help="max_tokens per request (batching part)")
+    ap.add_argument("--batching-baseline-capacity", type=int, default=2,
+                    help="concurrent one-request calls of the baseline sampler")
+    ap.add_argument("--max-batch", type=int, default=64, help="the batching sampler's max_batch")
+    ap.add_argument("--only", choices=("all", "batching"), default="all",
+                    help="run every part, or only the batching part")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = TinyLlamaSpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                          num_kv_heads=args.heads, initializer_range=args.init_std)
     prompts = make_prompts(args.batch, args.prompt_len, seed=0)
     result: dict = {"bench": "fleet", "config": vars(args) | {"top_p": TOP_P}}
+    if args.only == "batching":
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = save_tiny_llama(build_tiny_llama(spec, seed=0), Path(tmp) / "model")
+            say("batching: concurrent requests, one call each vs batched")
+            result["batching"] = bench_batching(model_dir, args)
+        report_batching(result["batching"])
+        print(json.dumps(result))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny_llama(build_tiny_llama(spec, seed=0), Path(tmp) / "model")
+        say("batching: concurrent requests, one call each vs batched")
+        result["batching"] = bench_batching(model_dir, args)
         hf = load_tiny_llama(model_dir)
         vocab = int(hf.config.vocab_size)
         versions = rl_like_versions(model_dir, args.switches + 1, args.changed_fraction, seed=2)
@@ -424,6 +497,15 @@ def main() -> None:
     result["routing"] = bench_routing(args)
     report(result, args)
     print(json.dumps(result))
+
+
+def report_batching(b: dict) -> None:
+    print(f"{b['requests']} concurrent requests x {b['max_tokens']} tokens, torch fp32:")
+    for name in ("one_call_per_request", "batched"):
+        x = b[name]
+        print(f"  {name:22s} capacity {x['capacity']:3d} max_batch {x['max_batch']:3d}: {x['backend_calls']:4d} "
+              f"backend calls, {x['requests_per_s']:7.2f} requests/s, {x['tokens_per_s']:8.1f} tokens/s")
+    print(f"  ratio batched / one call per request: {b['ratio_batched_vs_one_call_per_request']:.2f}x requests/s")
 
 
 def report(r: dict, args) -> None:
@@ -458,6 +540,7 @@ def report(r: dict, args) -> None:
         print(f"routing {policy:12s} ${p['usd_per_1k_tokens']:.6f} per 1k tokens, tokens {p['tokens_by_sampler']}, "
               f"latency mean {p['mean_latency_s']:.2f} s max {p['max_latency_s']:.2f} s ({ro['mode']})")
     print(f"routing cost-aware / least-loaded $ per 1k tokens: {ro['cost_ratio_cost_aware_vs_least_loaded']:.3f}")
+    report_batching(r["batching"])
 
 
 if __name__ == "__main__":

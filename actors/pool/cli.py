@@ -30,6 +30,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--price-per-hour", type=float, default=0.0, metavar="X",
                    help="what this device costs per hour (for cost-aware routing)")
     p.add_argument("--capacity", type=int, default=1, help="requests served at once")
+    p.add_argument("--max-batch", type=int, default=64, metavar="N",
+                   help="most requests decoded in one backend call (concurrent requests are batched)")
     p.add_argument("--weights", default=None, metavar="URL",
                    help="base URL of the daemon's delta store to follow weight versions from")
     p.add_argument("--weights-token", default=os.environ.get("FLEETRL_TOKEN"),
@@ -63,7 +65,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         cfg = RemoteClientConfig(join_url=args.join, token=args.token, backend=args.backend, dtype=args.dtype,
                                  model_dir=args.model, device=args.device, price_per_hour=args.price_per_hour,
-                                 capacity=args.capacity, weights_url=args.weights,
+                                 capacity=args.capacity, max_batch=args.max_batch, weights_url=args.weights,
                                  weights_token=args.weights_token, name=args.name)
         backend = build_backend(cfg)
     except (ValueError, OSError) as exc:

@@ -65,6 +65,9 @@ class LocalSamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     device: str = "cpu"
     price_per_hour: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     capacity: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """Requests served at once (what routing counts against)."""
+    max_batch: Annotated[int, msgspec.Meta(ge=1)] = 64
+    """Most requests in one backend call (concurrent requests are decoded as batches)."""
 
 
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -342,7 +345,8 @@ class SamplerPool:
     # -- local samplers -------------------------------------------------------------------
     async def keep_local(self, sampler_id: str, factory: Callable[[], Any], *, price_per_hour: float,
                          capacity: int, restart_backoff_s: float,
-                         on_start: Callable[[LocalSampler], Awaitable[None]] | None = None) -> None:
+                         on_start: Callable[[LocalSampler], Awaitable[None]] | None = None,
+                         max_batch: int = 64) -> None:
         """Run a local sampler for ever: build its backend (in a thread), register it,
         wait until it is taken out, then rebuild it after `restart_backoff_s`."""
         while True:
@@ -353,7 +357,7 @@ class SamplerPool:
                            error=f"{type(exc).__name__}: {exc}", level="error")
                 await trio.sleep(max(restart_backoff_s, 0.1))
                 continue
-            sampler = LocalSampler(sampler_id, backend, capacity=capacity)
+            sampler = LocalSampler(sampler_id, backend, capacity=capacity, max_batch=max_batch)
             try:
                 v = backend.weight_version
                 self.add(sampler, sampler.identity, price_per_hour=price_per_hour, capacity=capacity,
@@ -512,7 +516,7 @@ async def run(cfg: PoolConfig, ctx: Any, *, task_status: Any = trio.TASK_STATUS_
                     on_start = _follower_for(pool, source, nursery)
                 nursery.start_soon(lambda sc=sc, on_start=on_start: pool.keep_local(
                     sc.id, _backend_factory(sc), price_per_hour=sc.price_per_hour, capacity=sc.capacity,
-                    restart_backoff_s=cfg.restart_backoff_s, on_start=on_start))
+                    restart_backoff_s=cfg.restart_backoff_s, on_start=on_start, max_batch=sc.max_batch))
             nursery.start_soon(pool.health_loop, cfg.health_interval_s)
             _CLIENTS[ctx.name] = pool
             _READY.pop(ctx.name, trio.Event()).set()

@@ -3,9 +3,11 @@
 `run_remote` connects to the join endpoint (actors/pool/remote_server.py describes the
 conversation), sends `Join`, and on `Welcome` catches up with the trainer's weights
 (when a delta store URL is given: actors/weights' `HttpBlobSource` + `Follower`), reports
-`SamplerStatus`, then serves `GenerateRequest`s with its backend in worker threads (at
-most ``capacity`` at once) and follows every `WeightVersionAvailable`. Heartbeats go out
-every ``heartbeat_s``; a daemon silent for ``5 x heartbeat_s`` counts as lost.
+`SamplerStatus`, then serves `GenerateRequest`s with its backend (at most ``capacity``
+at once; concurrent ones decoded as batches of at most ``max_batch`` through the same
+`local.Batcher` as local samplers) and follows every `WeightVersionAvailable`.
+Heartbeats go out every ``heartbeat_s``; a daemon silent for ``5 x heartbeat_s`` counts
+as lost.
 
 A lost connection is retried with exponential backoff (``backoff_base_s`` doubling up to
 ``backoff_max_s``, reset after a connection that served); a `Refused` join (for example
@@ -29,7 +31,7 @@ from fleetrl.daemon import messages as m
 from fleetrl.daemon.errors import BadMessage
 from fleetrl.daemon.protocol import Rejected
 
-from .local import WeightSync, identity_of, run_generate
+from .local import Batcher, SamplerLost, WeightSync, identity_of
 
 __all__ = ["JoinRefused", "RemoteClientConfig", "build_backend", "connect", "run_remote", "serve_once"]
 
@@ -86,6 +88,9 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     device: str = "cpu"
     price_per_hour: float = 0.0
     capacity: int = 1
+    """Requests served at once (sent in `Join`: the daemon never sends more)."""
+    max_batch: int = 64
+    """Most requests in one backend call."""
     name: str = ""
     """Shown in logs; the daemon assigns the sampler id."""
     weights_url: str | None = None
@@ -105,6 +110,8 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             raise ValueError(f"price_per_hour must be a finite number >= 0, got {self.price_per_hour}")
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if not (0 < self.backoff_base_s <= self.backoff_max_s):
             raise ValueError("backoff_base_s must be > 0 and <= backoff_max_s")
 
@@ -184,8 +191,7 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
         sid = reply.sampler_id
         identity = identity_of(sid, backend)
         lock = trio.Lock()
-        slots = trio.Semaphore(cfg.capacity)
-        running = 0
+        batcher = Batcher(backend, identity, capacity=cfg.capacity, max_batch=cfg.max_batch)
 
         async def send(msg: Any) -> None:
             async with lock:
@@ -193,8 +199,9 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
 
         async def status() -> None:
             v = backend.weight_version
+            stats = batcher.statistics()
             await send(m.SamplerStatus(sampler_id=sid, version=v.version, digest=v.digest,
-                                       queue_depth=running, tokens_per_s=0.0))
+                                       queue_depth=stats.queued + stats.running, tokens_per_s=0.0))
 
         async def follow() -> None:
             if sync is not None:
@@ -206,17 +213,10 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
             await status()
 
         async def serve(req: m.GenerateRequest) -> None:
-            nonlocal running
-            async with slots:
-                running += 1
-                try:
-                    answer = await trio.to_thread.run_sync(run_generate, backend, identity, req,
-                                                           abandon_on_cancel=True)
-                except Exception as exc:
-                    answer = m.GenerateFailed(request_id=req.request_id, retryable=True,
-                                              reason=f"sampler {sid}: {type(exc).__name__}: {exc}")
-                finally:
-                    running -= 1
+            try:
+                answer = await batcher.submit(req, lambda: None)
+            except SamplerLost as exc:
+                answer = m.GenerateFailed(request_id=req.request_id, retryable=True, reason=str(exc))
             await send(answer)
 
         await follow()
@@ -237,6 +237,8 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
             _, rest = group.split((ConnectionClosed, _Lost, OSError))
             if rest is not None:
                 raise
+        finally:
+            batcher.close("disconnected")  # the daemon re-routes what this connection held
     return True
 
 

@@ -3,7 +3,8 @@
 `base` defines the protocol (`SamplerBackend`) and the structs that cross process
 boundaries (`SamplingParams`, `Generation`, `WeightVersion`, ...); `torch_backend` is
 the reference backend (our own KV-cache Llama decode, fp32/bf16/fp16/fp8); `mismatch`
-measures how far a sampler's log-probs are from the trainer's.
+measures how far a sampler's log-probs are from the trainer's; `batching` says which
+waiting requests may share one backend call (the sampler pool's batcher uses it).
 """
 
 from fleetrl.actors.samplers.base import (

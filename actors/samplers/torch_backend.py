@@ -215,6 +215,30 @@ class TorchBackend(BackendBase):
         """Begin a generation that the caller advances with `DecodeRun.step()`."""
         return DecodeRun(self, prompts, params)
 
+    def check_generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[int]:
+        """Check prompts and params as `generate` would, without running anything.
+
+        Returns each prompt's token budget (``max_tokens``, or less where the context
+        length ends it sooner); raises BadGenerateRequest naming the first bad prompt or
+        stop id. Cheap: the sampler pool calls it per request before batching requests
+        together, so a bad request fails alone.
+        """
+        shape = self.shape
+        rows = check_prompts(prompts, shape.vocab_size)
+        for i, stop in enumerate(params.stop_ids):
+            if stop >= shape.vocab_size:
+                raise BadGenerateRequest(f"stop_ids[{i}] = {stop} is not a token id in [0, {shape.vocab_size})")
+        limit = shape.max_position_embeddings
+        budgets = []
+        for i, row in enumerate(rows):
+            room = limit - len(row)
+            if room < 1:
+                raise BadGenerateRequest(
+                    f"prompts[{i}] has {len(row)} tokens; the context holds {limit}, leaving no room to generate"
+                )
+            budgets.append(min(params.max_tokens, room))
+        return budgets
+
     # -- internals --------------------------------------------------------------------
 
     def _check_newer(self, version: WeightVersion) -> None:
@@ -287,19 +311,8 @@ class DecodeRun:
         shape = backend.shape
         self._backend = backend
         self._params = params
-        rows = check_prompts(prompts, shape.vocab_size)
-        for i, stop in enumerate(params.stop_ids):
-            if stop >= shape.vocab_size:
-                raise BadGenerateRequest(f"stop_ids[{i}] = {stop} is not a token id in [0, {shape.vocab_size})")
-        limit = shape.max_position_embeddings
-        budgets = []
-        for i, row in enumerate(rows):
-            room = limit - len(row)
-            if room < 1:
-                raise BadGenerateRequest(
-                    f"prompts[{i}] has {len(row)} tokens; the context holds {limit}, leaving no room to generate"
-                )
-            budgets.append(min(params.max_tokens, room))
+        budgets = backend.check_generate(prompts, params)
+        rows = [[int(t) for t in p] for p in prompts]
         device = backend._device
         self._device = device
         self._n = len(rows)
@@ -325,6 +338,7 @@ class DecodeRun:
         self._offsets: list[list[int]] = [[0] for _ in rows]
         self._versions: list[list[int]] = [[] for _ in rows]
         self._finish: list[FinishReason | None] = [None] * self._n
+        self._fresh: list[int] = []  # rows finished since the last take_finished()
         self.steps = 0
 
     @property
@@ -386,6 +400,7 @@ class DecodeRun:
             for j in finished.nonzero().flatten().tolist():
                 row = int(self._active[j])
                 self._finish[row] = "stop" if bool(stopped[j]) else "length"
+                self._fresh.append(row)
             keep = (~finished).nonzero().flatten()
             self._active = self._active[keep]
             self._pads = self._pads[keep]
@@ -395,22 +410,27 @@ class DecodeRun:
             tokens = tokens[keep]
         self._next = tokens
 
+    def take_finished(self) -> list[tuple[int, Generation]]:
+        """``(prompt index, generation)`` of the prompts that finished since the last call
+        (a caller can hand each one on while the rest of the batch still decodes)."""
+        fresh, self._fresh = self._fresh, []
+        return [(i, self._generation(i)) for i in sorted(fresh)]
+
     def results(self) -> list[Generation]:
         """The generations, in prompt order (only once every prompt has finished)."""
         if not self.done:
             raise RuntimeError("DecodeRun.results() called before every prompt finished")
-        identity = self._backend.identity
-        return [
-            Generation(
-                token_ids=tuple(self._tokens[i]),
-                logprobs=tuple(self._logprobs[i]),
-                support_ids=tuple(self._support_ids[i]),
-                support_logprobs=tuple(self._support_lps[i]),
-                support_offsets=tuple(self._offsets[i]),
-                versions=tuple(self._versions[i]),
-                finish_reason=self._finish[i] or "length",
-                sampler=identity,
-                seed=self.seed,
-            )
-            for i in range(self._n)
-        ]
+        return [self._generation(i) for i in range(self._n)]
+
+    def _generation(self, i: int) -> Generation:
+        return Generation(
+            token_ids=tuple(self._tokens[i]),
+            logprobs=tuple(self._logprobs[i]),
+            support_ids=tuple(self._support_ids[i]),
+            support_logprobs=tuple(self._support_lps[i]),
+            support_offsets=tuple(self._offsets[i]),
+            versions=tuple(self._versions[i]),
+            finish_reason=self._finish[i] or "length",
+            sampler=self._backend.identity,
+            seed=self.seed,
+        )

@@ -234,7 +234,26 @@ class VllmBackend(BackendBase):
         return self._steps
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """Generate for every prompt; weight updates land between engine steps."""
+        """Generate for every prompt (vLLM decodes them as one batch); weight updates land
+        between engine steps."""
+        rows = self._check(prompts, params)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        with self._engine_lock:
+            if self._engine is None:
+                raise SamplerError("this vLLM backend is closed")
+            if torch.get_num_threads() != self._torch_threads:
+                torch.set_num_threads(self._torch_threads)
+            return self._run(rows, params, seed)
+
+    def check_generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        """Check prompts and params as `generate` would, without touching the engine.
+
+        Raises BadGenerateRequest naming the first bad prompt or stop id. The sampler pool
+        calls it per request before batching requests together, so a bad request fails alone.
+        """
+        self._check(prompts, params)
+
+    def _check(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
         rows = check_prompts(prompts, self.vocab_size)
         for i, stop in enumerate(params.stop_ids):
             if stop >= self.vocab_size:
@@ -245,13 +264,7 @@ class VllmBackend(BackendBase):
                     f"prompts[{i}] has {len(row)} tokens; the context holds {self.max_model_len}, "
                     "leaving no room to generate"
                 )
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        with self._engine_lock:
-            if self._engine is None:
-                raise SamplerError("this vLLM backend is closed")
-            if torch.get_num_threads() != self._torch_threads:
-                torch.set_num_threads(self._torch_threads)
-            return self._run(rows, params, seed)
+        return rows
 
     def load_version(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
         """Replace every weight (an anchor); all checkpoint names must be present.
