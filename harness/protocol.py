@@ -11,6 +11,21 @@ An `Episode` holds the turns (the messages each model call saw, the call's token
 record, the action taken and what it returned), the final state (``submitted``,
 ``turn_limit``, ``timeout``, ``error``), an optional harness-side reward signal, and
 the `recording.AttemptRecord` of every model call, token-exactly.
+
+How a harness uses its sandbox (optional class attribute ``sandbox_use``; read with
+`sandbox_use_of`) lets the worker make attempts cheaper without weakening isolation:
+
+* ``"eager"`` (the default when the attribute is absent): the harness may use anything
+  of the sandbox object (its ``id``, ``limits``, ...); it gets a leased and prepared
+  sandbox before ``run`` starts.
+* ``"lazy"``: the harness only calls the `SandboxLike` methods (``exec``,
+  ``write_files``, ``read_file``); it may get a proxy that leases and prepares a
+  sandbox on its first call, so no container is held while the model generates.
+* ``"files"``: the harness's whole use of the sandbox is ``write_files`` (no ``exec``,
+  no ``read_file``): the files it writes may be recorded and scored later, e.g. the G
+  attempts of one group in one batch (``Sandbox.exec_many``: each attempt's evaluator
+  runs in a freshly reset sandbox holding the task's setup files and that attempt's
+  files only). Calling ``exec`` or ``read_file`` on the recorder it gets is an error.
 """
 
 from __future__ import annotations
@@ -31,13 +46,19 @@ __all__ = [
     "FinalState",
     "Harness",
     "SandboxLike",
+    "SANDBOX_USES",
+    "SandboxUse",
     "SetupFailed",
     "Turn",
     "evaluate_in_sandbox",
     "prepare_sandbox",
+    "sandbox_use_of",
 ]
 
 FinalState = Literal["submitted", "turn_limit", "timeout", "error"]
+
+SandboxUse = Literal["eager", "lazy", "files"]
+SANDBOX_USES: tuple[str, ...] = ("eager", "lazy", "files")
 
 
 @runtime_checkable
@@ -90,6 +111,16 @@ class Harness(Protocol):
     """An agent harness: runs one attempt at ``task`` in ``sandbox`` with ``model``."""
 
     async def run(self, task: Task, sandbox: SandboxLike, model: ModelClient) -> Episode: ...
+
+
+def sandbox_use_of(harness: object) -> SandboxUse:
+    """The harness's declared ``sandbox_use`` (module docstring); ``"eager"`` when it
+    declares none. A value outside `SANDBOX_USES` is an error naming the harness."""
+    use = getattr(harness, "sandbox_use", "eager")
+    if use not in SANDBOX_USES:
+        raise ValueError(f"{type(harness).__name__}.sandbox_use = {use!r}: must be one of "
+                         f"{', '.join(SANDBOX_USES)}")
+    return use  # type: ignore[return-value]
 
 
 class SetupFailed(Exception):

@@ -44,7 +44,10 @@ else
         apt-get install -y -qq docker.io debootstrap >/dev/null
     fi
     log "starting dockerd in the background (log: /var/log/fleetrl-dockerd.log)"
-    nohup dockerd >/var/log/fleetrl-dockerd.log 2>&1 &
+    # its own session: a Ctrl-C of `make run` (or a killed CI job's process group) must
+    # not take the engine down with it; a stale pid file of a killed engine blocks a start
+    if ! pgrep -x dockerd >/dev/null 2>&1; then rm -f /var/run/docker.pid; fi
+    setsid nohup dockerd >/var/log/fleetrl-dockerd.log 2>&1 </dev/null &
     for _ in $(seq 1 60); do
         docker info >/dev/null 2>&1 && break
         sleep 0.5

@@ -3,7 +3,8 @@
 Pure logic: `policy` (failure kinds, retry bounds), `group` (G attempts -> one group or
 typed failures), `cursor` (checkpointed task position). I/O around it: `sources` (task
 sources), `model` (model clients: a local torch backend, or the sampler pool),
-`worker` (the actor ``run``). docs/envworkers.md is the guide.
+`sandboxing` (lazy leases, group scoring with one ``exec_many``), `worker` (the actor
+``run``). docs/envworkers.md is the guide.
 """
 
 from .config import (

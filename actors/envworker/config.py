@@ -71,6 +71,13 @@ class PoolModel(_Strict, tag="pool", tag_field="kind"):
     tokenizer_dir: str
     pool: str = "pool"
     min_version: Annotated[int, msgspec.Meta(ge=0)] = 0
+    pacing: bool = True
+    """Admit every group's G attempts through the pool's staleness pacer before they start,
+    and send groups to the target in the pacer's release (admission) order
+    (docs/envworkers.md, "Pacing"). At most one worker per pool may pace."""
+    trainer_skips_zero_variance: bool = True
+    """Mirror of the trainer's ``skip_zero_variance``: a group whose rewards are all equal
+    gives its training slots back to the pacer (the trainer does not count it in a step)."""
 
 
 ModelConfig = LocalModel | PoolModel
@@ -115,7 +122,9 @@ class EnvWorkerConfig(_Strict):
     group_size: PosInt = 4
     """Attempts per task (G)."""
     max_concurrent_attempts: PosInt = 4
-    """Attempts running at once, over all groups (each holds one sandbox)."""
+    """Attempts running at once, over all groups. With a ``"lazy"`` or ``"files"`` harness
+    (harness.protocol) an attempt holds no sandbox while the model generates, so this is
+    the generation concurrency; containers are bounded by ``sandbox.max_containers``."""
     max_groups_in_flight: PosInt | None = None
     """Tasks being worked on at once; default: enough to keep every attempt slot busy."""
     max_tasks: PosInt | None = None
@@ -127,6 +136,13 @@ class EnvWorkerConfig(_Strict):
     it below ``daemon.grace_s``."""
     retry: RetryPolicy = RetryPolicy()
     sandbox: SandboxSettings = SandboxSettings()
+    lazy_sandbox: bool = True
+    """A harness declaring ``sandbox_use = "lazy"`` or ``"files"`` gets a proxy that leases
+    and prepares its sandbox on first use (false: leased before the harness runs)."""
+    group_scoring: bool = True
+    """A ``"files"`` harness (the completion harness) on a task without setup commands:
+    the group's attempts are scored with one ``exec_many`` in one leased sandbox
+    (false: one lease and evaluator exec per attempt)."""
 
     def __post_init__(self) -> None:
         if self.harness == EXTERNAL:

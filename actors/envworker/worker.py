@@ -2,21 +2,30 @@
 
 ``run(cfg: EnvWorkerConfig, ctx, *, task_status)`` takes task after task from its
 source and runs each task's G attempts concurrently (at most
-``max_concurrent_attempts`` over all groups, each holding one sandbox). One attempt:
+``max_concurrent_attempts`` over all groups). One attempt, by what its harness
+declares (``sandbox_use``, harness.protocol):
 
-1. lease a sandbox from the worker's pool (one pool per incarnation, containers
-   labelled with ``Ownership.for_state_dir(daemon_dir, owner=instance_id, run=run_id)``;
-   every container is removed when the pool closes);
-2. ``prepare_sandbox`` (setup files and commands);
-3. the harness's ``run(task, sandbox, model)`` within ``task.limits.timeout_s +
-   attempt_slack_s``;
-4. ``evaluate_in_sandbox``: the task's evaluator gives the reward.
+* ``"eager"``: lease a sandbox from the worker's pool (one pool per incarnation,
+  containers labelled with ``Ownership.for_state_dir(daemon_dir, owner=instance_id,
+  run=run_id)``; every container is removed when the pool closes), ``prepare_sandbox``
+  (setup files and commands), the harness's ``run(task, sandbox, model)`` within
+  ``task.limits.timeout_s + attempt_slack_s``, then ``evaluate_in_sandbox``;
+* ``"lazy"``: the same, but the harness gets a `sandboxing.LazySandbox` that leases and
+  prepares on its first call (no container held while the model generates);
+* ``"files"`` on a task without setup commands: the harness writes into a
+  `sandboxing.FileRecorder`, and the group's attempts are scored together by a
+  `sandboxing.GroupScorer` (one lease, one ``exec_many``).
 
 A scored attempt becomes a `Trajectory` holding the token record of every model call
 (`AttemptRecord.trajectory`); a failure becomes a `RolloutFailed` with its kind
 (`policy`), sent at once, counted in Prometheus, and retried by the `RetryPolicy`.
 When every slot of the group has ended, the group (`group.GroupTracker`) is sent as
 one `RolloutGroup`, or reported as incomplete.
+
+Pacing (``model.kind = "pool"``, ``pacing = true``): a group's G slots are admitted by
+the pool's staleness pacer, consecutively, before its attempts start; they are always
+finished in the pacer when the group ends; groups are sent in the pool's release
+order (admission order), the order the pacer's bound assumes (docs/envworkers.md).
 
 ``harness = "external"``: the harness is an `ExternalHarness` running the configured
 command (``harness_config`` = an `ExternalCommand`) against the endpoint actor named by
@@ -40,17 +49,25 @@ from typing import Any
 import msgspec
 import trio
 
-from fleetrl.daemon.messages import RolloutFailed, Trajectory
+from fleetrl.daemon.messages import RolloutFailed, RolloutGroup, Trajectory
 from fleetrl.harness.model import HFChatTokenizer
-from fleetrl.harness.protocol import Episode, Harness, SetupFailed, evaluate_in_sandbox, prepare_sandbox
+from fleetrl.harness.protocol import (
+    Episode,
+    Harness,
+    SetupFailed,
+    evaluate_in_sandbox,
+    prepare_sandbox,
+    sandbox_use_of,
+)
 from fleetrl.harness.tasks import EvaluatorOutputError, Task
 from fleetrl.sandboxes import Limits, Ownership, SandboxError, WarmPolicy, open_sandbox_pool
 
-from .config import EXTERNAL, EnvWorkerConfig, LocalModel, ModelConfig, SandboxSettings
+from .config import EXTERNAL, EnvWorkerConfig, LocalModel, ModelConfig, PoolModel, SandboxSettings
 from .cursor import CursorState, TaskCursor
-from .group import AttemptTicket, GroupTracker
+from .group import AttemptTicket, GroupResult, GroupTracker
 from .model import LocalModelClient, PoolModelClient
 from .policy import episode_failure
+from .sandboxing import FileRecorder, GroupScorer, LazySandbox, ScoringFailed
 from .sources import open_task_source
 
 __all__ = ["Failed", "group_id_of", "load_harness", "open_model", "run", "sandbox_limits"]
@@ -62,6 +79,34 @@ def group_id_of(task_id: str, index: int, worker: str) -> str:
     """The id of the group of task number ``index`` run by worker ``worker``: the same
     on every run of that task, so a re-run after a crash or restart is a duplicate."""
     return f"{task_id}#{index}@{worker}"
+
+
+class _SlotHold:
+    """One attempt slot of the semaphore, released at most once (early or at the end)."""
+
+    def __init__(self, sem: trio.Semaphore) -> None:
+        self._sem = sem
+        self._held = False
+
+    async def acquire(self) -> None:
+        await self._sem.acquire()
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._sem.release()
+
+
+class _Paced:
+    """A group's slots in the pool's pacer: admitted ids, what to send on release."""
+
+    def __init__(self, group_id: str) -> None:
+        self.group_id = group_id
+        self.admitted: list[str] = []
+        self.left = -1  # slots not yet released (set when they are finished)
+        self.group: RolloutGroup | None = None
+        self.released = trio.Event()
 
 
 class Failed(msgspec.Struct, frozen=True):
@@ -151,40 +196,39 @@ class _Worker:
         self.attempt_slots = trio.Semaphore(cfg.max_concurrent_attempts)
         self.scopes: set[trio.CancelScope] = set()
         self.abandoning = False
+        self.sandbox_use = "eager" if harness is None else sandbox_use_of(harness)
+        m = cfg.model
+        self.pacer = model.pool if isinstance(m, PoolModel) and m.pacing else None
+        self.skips_zero_variance = isinstance(m, PoolModel) and m.trainer_skips_zero_variance
+        self.admit_lock = trio.Lock()
+        self.awaiting: dict[str, _Paced] = {}
 
     # -- one attempt ------------------------------------------------------------------------
-    async def attempt(self, task: Task, ticket: AttemptTicket) -> Trajectory | Failed:
+    def scores_by_group(self, task: Task) -> bool:
+        """Whether the attempts at `task` are scored together (`sandboxing.GroupScorer`):
+        a ``"files"`` harness, a task with no setup commands, ``group_scoring`` on."""
+        return self.cfg.group_scoring and self.sandbox_use == "files" and not task.setup.commands
+
+    async def attempt(self, task: Task, ticket: AttemptTicket, scorer: GroupScorer | None = None, *,
+                      generated: Any = None) -> Trajectory | Failed:
+        """One try. ``generated``: called when the attempt no longer needs its attempt
+        slot (a group-scored attempt whose harness has returned waits for its batch
+        without holding one, so generation concurrency is not spent on scoring)."""
         t0 = time.monotonic()
         model = self.model.for_attempt(ticket.attempt_id) if self.model is not None else None
+        limits = sandbox_limits(task, self.cfg.sandbox)
         try:
-            async with self.pool.lease(task.image, sandbox_limits(task, self.cfg.sandbox)) as sb:
-                try:
-                    await prepare_sandbox(task, sb, timeout_s=self.cfg.sandbox.setup_timeout_s)
-                except SetupFailed as exc:
-                    return Failed("sandbox_error", f"setup failed: {exc}")
-                budget = task.limits.timeout_s + self.cfg.attempt_slack_s
-                episode = None
-                with trio.move_on_after(budget):
-                    try:
-                        episode = await self.harness.run(task, sb, model)
-                    except SandboxError:
-                        raise
-                    except Exception as exc:  # the harness is foreign code: any error is its crash
-                        return Failed("harness_crash", f"{type(exc).__name__}: {exc}")
-                if episode is None:
-                    return Failed("timeout", f"harness did not return within {budget:g} s "
-                                             f"(task.limits.timeout_s={task.limits.timeout_s:g} + slack)")
-                if not isinstance(episode, Episode):
-                    return Failed("harness_crash", f"harness returned a {type(episode).__name__}, not an Episode")
-                failure = episode_failure(episode.final_state, episode.error)
-                if failure is not None:
-                    return Failed(*failure)
-                try:
-                    reward, code, _ = await evaluate_in_sandbox(task, sb)
-                except EvaluatorOutputError as exc:
-                    return Failed("evaluator_error", str(exc))
+            if scorer is not None:
+                out = await self._attempt_files(task, model, scorer, generated or (lambda: None))
+            elif self.cfg.lazy_sandbox and self.sandbox_use != "eager":
+                out = await self._attempt_lazy(task, model, limits)
+            else:
+                out = await self._attempt_eager(task, model, limits)
         except SandboxError as exc:
             return Failed("sandbox_error", f"{type(exc).__name__}: {exc}")
+        if isinstance(out, Failed):
+            return out
+        episode, reward, code = out
         record = msgspec.structs.replace(episode.record, attempt_id=ticket.attempt_id)
         metrics = {"evaluator_exit_code": float(code), "wall_s": time.monotonic() - t0,
                    "n_calls": float(len(record.calls)), "try": float(ticket.try_no)}
@@ -192,7 +236,90 @@ class _Worker:
             metrics["harness_reward"] = float(episode.harness_reward)
         return record.trajectory(group_id=ticket.group_id, reward=reward, metrics=metrics)
 
-    async def slot(self, task: Task, tracker: GroupTracker, ticket: AttemptTicket | None) -> None:
+    async def _attempt_eager(self, task: Task, model: Any, limits: Limits) -> tuple[Episode, float, int] | Failed:
+        """A sandbox leased and prepared before the harness runs, held until scored."""
+        async with self.pool.lease(task.image, limits) as sb:
+            try:
+                await prepare_sandbox(task, sb, timeout_s=self.cfg.sandbox.setup_timeout_s)
+            except SetupFailed as exc:
+                return Failed("sandbox_error", f"setup failed: {exc}")
+            episode = await self.run_harness(task, sb, model)
+            if isinstance(episode, Failed):
+                return episode
+            return await self._evaluate(task, sb, episode)
+
+    async def _attempt_lazy(self, task: Task, model: Any, limits: Limits) -> tuple[Episode, float, int] | Failed:
+        """The harness gets a proxy that leases and prepares on first use."""
+        async with LazySandbox(self.pool, task, limits, setup_timeout_s=self.cfg.sandbox.setup_timeout_s) as lazy:
+            episode = await self.run_harness(task, lazy, model, lazy=lazy)
+            if isinstance(episode, Failed):
+                return episode
+            try:
+                sb = await lazy.get()  # a harness that never touched it: the evaluator sees the setup state
+            except SetupFailed as exc:
+                return Failed("sandbox_error", f"setup failed: {exc}")
+            return await self._evaluate(task, sb, episode)
+
+    async def _attempt_files(self, task: Task, model: Any, scorer: GroupScorer, generated: Any
+                             ) -> tuple[Episode, float, int] | Failed:
+        """A ``"files"`` harness writes into a recorder; the group is scored in one batch."""
+        scorer.join()
+        submitted = False
+        try:
+            recorder = FileRecorder()
+            episode = await self.run_harness(task, recorder, model)
+            if isinstance(episode, Failed):
+                return episode
+            submitted = True
+            generated()
+            scored = await scorer.score(recorder.files)
+        finally:
+            if not submitted:
+                scorer.leave()
+        if isinstance(scored, ScoringFailed):
+            return Failed(scored.kind, scored.detail)
+        return episode, scored.reward, scored.exit_code
+
+    async def _evaluate(self, task: Task, sb: Any, episode: Episode) -> tuple[Episode, float, int] | Failed:
+        try:
+            reward, code, _ = await evaluate_in_sandbox(task, sb)
+        except EvaluatorOutputError as exc:
+            return Failed("evaluator_error", str(exc))
+        return episode, reward, code
+
+    async def run_harness(self, task: Task, sb: Any, model: Any, *, lazy: LazySandbox | None = None
+                          ) -> Episode | Failed:
+        """The harness's run within its budget, classified (an `Episode` to score, or `Failed`)."""
+        budget = task.limits.timeout_s + self.cfg.attempt_slack_s
+        episode: Any = None
+        crash: Exception | None = None
+        with trio.move_on_after(budget) as scope:
+            if lazy is not None:
+                lazy.budget = scope  # leasing and setup time is added back to the budget
+            try:
+                episode = await self.harness.run(task, sb, model)
+            except SandboxError:
+                raise
+            except Exception as exc:  # the harness is foreign code: any error is its crash
+                crash = exc
+        if lazy is not None and lazy.setup_error is not None:  # even when the harness swallowed it
+            return Failed("sandbox_error", f"setup failed: {lazy.setup_error}")
+        if lazy is not None and lazy.sandbox_error is not None:
+            raise lazy.sandbox_error
+        if crash is not None:
+            return Failed("harness_crash", f"{type(crash).__name__}: {crash}")
+        if scope.cancelled_caught and episode is None:
+            return Failed("timeout", f"harness did not return within {budget:g} s "
+                                     f"(task.limits.timeout_s={task.limits.timeout_s:g} + slack)")
+        if not isinstance(episode, Episode):
+            return Failed("harness_crash", f"harness returned a {type(episode).__name__}, not an Episode")
+        failure = episode_failure(episode.final_state, episode.error)
+        if failure is not None:
+            return Failed(*failure)
+        return episode
+
+    async def slot(self, task: Task, tracker: GroupTracker, ticket: AttemptTicket | None,
+                   scorer: GroupScorer | None = None) -> None:
         """Run one slot of a group: its first try and any retries."""
         while ticket is not None:
             if self.abandoning or (ticket.try_no > 1 and self.ctx.draining):
@@ -201,15 +328,17 @@ class _Worker:
             scope = trio.CancelScope()
             self.scopes.add(scope)
             outcome: Trajectory | Failed | None = None
+            held = _SlotHold(self.attempt_slots)
             try:
                 with scope:
-                    async with self.attempt_slots:
-                        self.metrics.in_flight.inc()
-                        try:
-                            outcome = await self.attempt(task, ticket)
-                        finally:
-                            self.metrics.in_flight.dec()
+                    await held.acquire()
+                    self.metrics.in_flight.inc()
+                    try:
+                        outcome = await self.attempt(task, ticket, scorer, generated=held.release)
+                    finally:
+                        self.metrics.in_flight.dec()
             finally:
+                held.release()
                 self.scopes.discard(scope)
             if outcome is None:  # cancelled by the drain deadline
                 await self.report(tracker.abandon(ticket, f"still running {self.cfg.drain_grace_s:g} s "
@@ -238,30 +367,107 @@ class _Worker:
             group_id = group_id_of(task.id, index, self.ctx.name)
             tracker = GroupTracker(group_id=group_id, task_id=task.id, group_size=self.cfg.group_size,
                                    policy=self.cfg.retry)
-            async with trio.open_nursery() as n:
-                for ticket in tracker.start():
-                    n.start_soon(self.slot, task, tracker, ticket)
-            result = tracker.result()
-            if result.group is not None:
+            paced = _Paced(group_id) if self.pacer is not None else None
+            try:
+                admitted = paced is None or await self.admit(paced)
+                tickets = tracker.start()
+                if not admitted:
+                    for t in tickets:
+                        await self.report(tracker.abandon(t, "shutdown began while it waited for the "
+                                                             "sampler pool's pacer"), final=True)
+                else:
+                    async with trio.open_nursery() as n:
+                        scorer = None
+                        if self.scores_by_group(task):
+                            scorer = GroupScorer(self.pool, task, sandbox_limits(task, self.cfg.sandbox),
+                                                 nursery=n, scopes=self.scopes)
+                        for ticket in tickets:
+                            n.start_soon(self.slot, task, tracker, ticket, scorer)
+                result = tracker.result()
+            finally:
+                if paced is not None:  # always, cancellation included
+                    self.finish_paced(paced, tracker.result().group if tracker.done else None)
+            if paced is not None:
+                await paced.released.wait()  # sent (when emitted) by `release_in_order`
+            elif result.group is not None:
                 await self.out.send(result.group)
-                self.metrics.group("emitted")
-                self.log.info("group emitted", group=group_id, task=task.id, rewards=list(result.group.rewards),
-                              failed=len(result.failures), retried=len(result.retried))
-                self.cursor.finish(index)
-            elif result.abandoned:
-                self.metrics.group("abandoned")
-                self.log.warning("group abandoned at shutdown; its task stays due", group=group_id, task=task.id,
-                                 task_number=index, unused=[t.attempt_id for t in result.unused])
-                self.cursor.release(index)
-            else:
-                self.metrics.group("incomplete")
-                self.log.warning("group incomplete: too many failed attempts", group=group_id, task=task.id,
-                                 failed=[f.attempt_id for f in result.failures],
-                                 unused=[t.attempt_id for t in result.unused],
-                                 allowed=self.cfg.retry.failed_allowed(self.cfg.group_size))
-                self.cursor.finish(index)
+            self.group_ended(index, task, result)
         finally:
             done.release()
+
+    def group_ended(self, index: int, task: Task, result: GroupResult) -> None:
+        group_id = result.group_id
+        if result.group is not None:
+            self.metrics.group("emitted")
+            self.log.info("group emitted", group=group_id, task=task.id, rewards=list(result.group.rewards),
+                          failed=len(result.failures), retried=len(result.retried))
+            self.cursor.finish(index)
+        elif result.abandoned:
+            self.metrics.group("abandoned")
+            self.log.warning("group abandoned at shutdown; its task stays due", group=group_id, task=task.id,
+                             task_number=index, unused=[t.attempt_id for t in result.unused])
+            self.cursor.release(index)
+        else:
+            self.metrics.group("incomplete")
+            self.log.warning("group incomplete: too many failed attempts", group=group_id, task=task.id,
+                             failed=[f.attempt_id for f in result.failures],
+                             unused=[t.attempt_id for t in result.unused],
+                             allowed=self.cfg.retry.failed_allowed(self.cfg.group_size))
+            self.cursor.finish(index)
+
+    # -- pacing (model.kind = "pool") -------------------------------------------------------
+    async def admit(self, paced: _Paced) -> bool:
+        """Admit the group's G slots through the pool's pacer, one after another (so its
+        slots hold consecutive places in the release order). False: the drain deadline
+        cut the wait short (what was admitted is finished as failed by the caller)."""
+        assert self.pacer is not None
+        self.awaiting[paced.group_id] = paced
+        scope = trio.CancelScope()
+        self.scopes.add(scope)
+        try:
+            with scope:
+                async with self.admit_lock:
+                    for slot in range(self.cfg.group_size):
+                        pid = f"{paced.group_id}/{slot}"
+                        await self.pacer.admit(pid)
+                        paced.admitted.append(pid)
+        finally:
+            self.scopes.discard(scope)
+        return len(paced.admitted) == self.cfg.group_size
+
+    def finish_paced(self, paced: _Paced, group: RolloutGroup | None) -> None:
+        """End every admitted slot of the group in the pacer, always (cancellation too).
+        The slots count as training slots only when the trainer will train the group: it
+        is emitted, and not a zero-variance group the trainer skips."""
+        assert self.pacer is not None
+        paced.group = group
+        counts = group is not None and not (self.skips_zero_variance and len(set(group.rewards)) == 1)
+        paced.left = len(paced.admitted)
+        if not paced.admitted:
+            self.awaiting.pop(paced.group_id, None)
+            paced.released.set()
+        for pid in paced.admitted:
+            self.pacer.finish(pid, paced.group_id, failed=not counts)
+
+    async def release_in_order(self) -> None:
+        """Consume the pool's release stream (admission order) and send each group when
+        all its slots are released: the trainer receives groups in admission order,
+        which is the order the pacer's bound assumes."""
+        assert self.pacer is not None
+        while True:
+            for adm, group_id, _failed in await self.pacer.released():
+                paced = self.awaiting.get(group_id) if isinstance(group_id, str) else None
+                if paced is None:
+                    raise RuntimeError(
+                        f"the sampler pool released attempt {adm.attempt_id!r}, which this worker did not "
+                        "admit: a pool's release stream has one consumer, so at most one environment worker "
+                        "may pace through a pool (set model.pacing = false on the others)")
+                paced.left -= 1
+                if paced.left == 0:
+                    del self.awaiting[group_id]
+                    if paced.group is not None:
+                        await self.out.send(paced.group)
+                    paced.released.set()
 
     # -- the task loop ----------------------------------------------------------------------
     async def acquire_unless_draining(self, sem: trio.Semaphore) -> bool:
@@ -291,10 +497,16 @@ class _Worker:
             scope.cancel()
 
     async def run(self, source: Any) -> None:
+        if self.pacer is not None and self.pacer.pacer.attempts_per_step % self.cfg.group_size:
+            raise ValueError(f"the sampler pool's attempts_per_step={self.pacer.pacer.attempts_per_step} is not a "
+                             f"multiple of group_size={self.cfg.group_size}: pacing needs attempts_per_step = "
+                             "the trainer's groups_per_step x group_size")
         groups_free = trio.Semaphore(self.cfg.groups_in_flight)
         taken = 0
         async with trio.open_nursery() as outer:
             outer.start_soon(self.abandon_after_grace)
+            if self.pacer is not None:
+                outer.start_soon(self.release_in_order)
             async with trio.open_nursery() as groups:
                 while self.cfg.max_tasks is None or taken < self.cfg.max_tasks:
                     await self.ctx.wait_unpaused()

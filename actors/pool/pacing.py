@@ -72,6 +72,8 @@ class Pacer:
         self._slots = 0  # admitted attempts not known to have failed
         self._open: OrderedDict[str, _Entry] = OrderedDict()  # admitted, not yet released
         self.trainer_version = start_version
+        self.rebased = 0
+        """Times `advance` found the prediction behind the trainer and moved it."""
 
     def train_version_of(self, slot: int) -> int:
         """The version the trainer is at when it takes the attempt in training slot `slot`."""
@@ -120,10 +122,22 @@ class Pacer:
         return out
 
     def advance(self, trainer_version: int) -> None:
-        """The trainer reached `trainer_version` (never backwards)."""
+        """The trainer reached `trainer_version` (never backwards).
+
+        While every attempt the trainer consumes was admitted here, the prediction is
+        never behind the trainer. It is after a restart (a pool started at version 0
+        learns that a resumed trainer is at N) or when other producers feed the same
+        trainer; then the prediction is rebased so that the next attempt trains no
+        earlier than `trainer_version` plus one step per `attempts_per_step` attempts
+        still open here. (Attempts admitted before the rebase keep their prediction.)"""
         if trainer_version < self.trainer_version:
             raise PacingError(f"trainer version went back from {self.trainer_version} to {trainer_version}")
         self.trainer_version = trainer_version
+        pending = sum(1 for e in self._open.values() if not e.failed)
+        behind = trainer_version + pending // self.attempts_per_step - self.train_version_of(self._slots)
+        if behind > 0:
+            self.start_version += behind
+            self.rebased += 1
 
     @property
     def in_flight(self) -> int:

@@ -233,3 +233,31 @@ async def test_pool_attempt_releases_in_order_and_fails_on_exceptions(autojump_c
         n.start_soon(run, 3, 1.0, "ok")
     assert out == [("a0", None, True), ("a1", "R1", False), ("a2", None, True), ("a3", "R3", False)]
     assert pool.pacer.in_flight == 0 and pool.pacer.waiting == 0
+
+
+def test_a_pacer_behind_a_resumed_trainer_is_rebased():
+    """A pool restarted at version 0 under a trainer resumed at version 7: without the
+    rebase it would predict version 0 and admit attempts served by version-0 weights."""
+    p = Pacer(max_staleness=2, attempts_per_step=2)
+    assert p.try_admit("a", 0).train_version == 0
+    p.advance(7)
+    assert p.rebased == 1
+    assert p.try_admit("b", 0) is None  # would train at >= 7 from version-0 weights
+    b = p.try_admit("b", 5)
+    # a is still open: one open attempt is less than a step, so b trains at 7 at the earliest
+    assert b is not None and b.train_version == 7
+    assert p.try_admit("c", 5) is None  # the next slot trains at 8: 8 - 5 = 3 > 2
+    assert p.try_admit("c", 6).train_version == 8
+
+
+def test_normal_flow_never_rebases():
+    p = Pacer(max_staleness=1, attempts_per_step=2)
+    for v in range(5):
+        got = [p.try_admit(f"{v}-{i}", v) for i in range(4)]
+        assert all(a is not None for a in got[:2])
+        for a in got:
+            if a is not None:
+                p.finish(a.attempt_id, "r")
+        p.take_ready()
+        p.advance(v + 1)
+    assert p.rebased == 0

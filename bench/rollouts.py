@@ -1,0 +1,195 @@
+"""Cost of sandboxed rollouts of a single-shot harness: per-attempt sandboxes vs lazy
+leases with group scoring (issue 8).
+
+    .venv/bin/python bench/rollouts.py [--groups 8] [--group-size 8] [--concurrency 16] [--rounds 2]
+
+The same synthetic attempts (``groups x group-size``, default 64; fixed completions,
+no model: half the slots write the reference solution, the others a wrong or a broken
+one) go through the environment worker's real attempt path (`_Worker.group`) against
+real Docker sandboxes of one warm pool per mode:
+
+  baseline: ``lazy_sandbox = false, group_scoring = false``: every attempt leases a
+            sandbox, prepares it (setup files), the harness writes its file, the
+            evaluator runs in it, the pool resets it (about four engine round trips);
+  ours:     the defaults: the harness writes into a recorder; each group is scored with
+            one ``exec_many`` in one leased sandbox (one engine round trip per group).
+
+Each mode runs ``--rounds`` times (alternating; the first round of each also warms its
+pool), and the best round counts. Printed: attempts/s, CPU seconds of this process and
+of dockerd per attempt (when /proc shows dockerd), leases and engine execs, and the
+ratios; checks both modes gave the same rewards. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
+
+import msgspec
+import structlog
+import trio
+
+from fleetrl.actors.envworker.config import EnvWorkerConfig
+from fleetrl.actors.envworker.cursor import TaskCursor
+from fleetrl.actors.envworker.worker import _Worker
+from fleetrl.actors.model import build_byte_tokenizer
+from fleetrl.daemon.messages import RolloutGroup
+from fleetrl.daemon.metrics import ActorMetrics, MetricsRegistry
+from fleetrl.harness.model import HFChatTokenizer
+from fleetrl.harness.protocol import Episode
+from fleetrl.harness.recording import AttemptRecorder
+from fleetrl.harness.synthetic import make_task, reference_solution, solution_text
+from fleetrl.sandboxes import Engine, Ownership, WarmPolicy, open_sandbox_pool
+
+TOKENIZER = HFChatTokenizer(build_byte_tokenizer())
+
+
+class FixedCompletion(msgspec.Struct, frozen=True):
+    """Writes a fixed solution chosen by slot (no model call); files-only like the
+    completion harness."""
+
+    sandbox_use: ClassVar[str] = "files"
+
+    async def run(self, task, sandbox, model) -> Episode:
+        slot = int(model.attempt_id.rsplit("/", 1)[1].split(".")[0])
+        if slot % 2 == 0:
+            text = solution_text(task, reference_solution(task))
+        elif slot % 4 == 1:
+            text = task.prompt + "    return 0\n"
+        else:
+            text = task.prompt + "    return x +\n"  # a syntax error
+        await sandbox.write_files({f"{task.workdir}/solution.py": text})
+        record = AttemptRecorder(model.attempt_id, task.id, TOKENIZER).finish()
+        return Episode(task_id=task.id, turns=(), final_state="submitted", record=record)
+
+
+class NoModel:
+    attempt_id = ""
+
+    def for_attempt(self, attempt_id: str) -> NoModel:
+        view = NoModel()
+        view.attempt_id = attempt_id
+        return view
+
+
+class CountingEngine(Engine):
+    """The Docker engine, counting the exec round trips (``exec_create``) and file
+    uploads (``put_archive``) made through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"exec_create": 0, "put_archive": 0}
+        for name in self.counts:
+            real = getattr(self.api, name)
+
+            def counted(*a, _real=real, _name=name, **kw):
+                self.counts[_name] += 1
+                return _real(*a, **kw)
+            setattr(self.api, name, counted)
+
+
+def _dockerd_cpu_s() -> float | None:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "dockerd":
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            continue
+    return None
+
+
+async def run_mode(pool, *, fast: bool, groups: int, group_size: int, concurrency: int, first_index: int
+                   ) -> dict:
+    cfg = msgspec.convert({"model": {"kind": "local", "model_dir": "unused"}, "group_size": group_size,
+                           "max_concurrent_attempts": concurrency, "lazy_sandbox": fast, "group_scoring": fast,
+                           "retry": {"max_tries": {"sandbox_error": 1, "evaluator_error": 1}},
+                           "sandbox": {"memory_mb": 256, "cpus": 0.5}}, EnvWorkerConfig)
+    ctx = SimpleNamespace(log=structlog.get_logger(), metrics=ActorMetrics(MetricsRegistry(), "bench"),
+                          draining=False, name="bench")
+    send, recv = trio.open_memory_channel(10_000)
+    w = _Worker(cfg, ctx, harness=FixedCompletion(), model=NoModel(), pool=pool, out=send, failures_out=send,
+                cursor=TaskCursor())
+    tasks = [make_task(0, "train", first_index + i) for i in range(groups)]
+    stats0, counts0 = pool.statistics(), dict(pool.engine.counts)
+    cpu0, d0, t0 = time.process_time(), _dockerd_cpu_s(), time.perf_counter()
+    async with trio.open_nursery() as n:
+        for task in tasks:
+            n.start_soon(w.group, w.cursor.take(), task, trio.Semaphore(0))
+    wall = time.perf_counter() - t0
+    cpu, d1 = time.process_time() - cpu0, _dockerd_cpu_s()
+    stats1 = pool.statistics()
+    rewards, failed = [], 0
+    while True:
+        try:
+            msg = recv.receive_nowait()
+        except trio.WouldBlock:
+            break
+        if isinstance(msg, RolloutGroup):
+            rewards.append(list(msg.rewards))
+        else:
+            failed += 1
+    n_att = groups * group_size
+    return {"wall_s": wall, "attempts_per_s": n_att / wall, "cpu_s_per_attempt": cpu / n_att,
+            "dockerd_cpu_s_per_attempt": None if d0 is None or d1 is None else (d1 - d0) / n_att,
+            "leases": stats1.leases - stats0.leases,
+            "docker_execs": pool.engine.counts["exec_create"] - counts0["exec_create"],
+            "file_uploads": pool.engine.counts["put_archive"] - counts0["put_archive"],
+            "rewards": rewards, "failed": failed}
+
+
+async def main(args: argparse.Namespace) -> dict:
+    load0 = os.getloadavg()[0]
+    best: dict[str, dict] = {}
+    state = Path(os.environ.get("TMPDIR", "/tmp")) / f"fleetrl-bench-rollouts-{os.getpid()}"
+    policy = WarmPolicy(min_warm=0, max_warm=args.concurrency, max_containers=args.concurrency + 4)
+    async with open_sandbox_pool(Ownership.for_state_dir(state, owner="bench-rollouts"), policy=policy,
+                                 engine=CountingEngine()) as base_pool, \
+            open_sandbox_pool(Ownership.for_state_dir(state, owner="bench-rollouts-fast"), policy=policy,
+                              engine=CountingEngine()) as fast_pool:
+        for r in range(args.rounds):
+            for name, pool, fast in (("baseline", base_pool, False), ("ours", fast_pool, True)):
+                res = await run_mode(pool, fast=fast, groups=args.groups, group_size=args.group_size,
+                                     concurrency=args.concurrency, first_index=0)
+                print(f"round {r + 1} {name:8s}: {res['attempts_per_s']:6.2f} attempts/s  "
+                      f"wall {res['wall_s']:6.1f} s  leases {res['leases']:4d}  docker execs {res['docker_execs']:4d}  "
+                      f"cpu/attempt {res['cpu_s_per_attempt'] * 1e3:6.1f} ms  dockerd cpu/attempt "
+                      f"{(res['dockerd_cpu_s_per_attempt'] or 0) * 1e3:6.1f} ms", flush=True)
+                if name not in best or res["wall_s"] < best[name]["wall_s"]:
+                    best[name] = res
+    b, o = best["baseline"], best["ours"]
+    same = b["rewards"] == o["rewards"] and b["failed"] == o["failed"] == 0
+    speedup = o["attempts_per_s"] / b["attempts_per_s"]
+    print(f"\n{args.groups * args.group_size} attempts ({args.groups} groups of {args.group_size}), "
+          f"concurrency {args.concurrency}, load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"attempts/s: baseline {b['attempts_per_s']:.2f}, ours {o['attempts_per_s']:.2f}: {speedup:.2f}x")
+    n = args.groups * args.group_size
+    print(f"docker execs per attempt: baseline {b['docker_execs'] / n:.2f}, ours {o['docker_execs'] / n:.2f}; "
+          f"file uploads {b['file_uploads']} vs {o['file_uploads']}; leases {b['leases']} vs {o['leases']}")
+    if b["cpu_s_per_attempt"] and o["cpu_s_per_attempt"]:
+        print(f"worker-process CPU per attempt: {b['cpu_s_per_attempt'] * 1e3:.1f} ms vs "
+              f"{o['cpu_s_per_attempt'] * 1e3:.1f} ms")
+    print(f"same rewards on both paths: {same}")
+    for r in (b, o):
+        r.pop("rewards")
+    return {"bench": "rollouts", "attempts": args.groups * args.group_size, "group_size": args.group_size,
+            "concurrency": args.concurrency, "baseline": b, "ours": o, "speedup": speedup,
+            "same_rewards": same, "load_before": load0, "load_after": os.getloadavg()[0]}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    out = trio.run(main, ap.parse_args())
+    print(json.dumps(out))
