@@ -32,6 +32,9 @@ def _err(msg: str) -> None:
 
 # -- serve -------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .malloc import limit_arenas
+
+    limit_arenas(2)  # before any worker thread exists (daemon/malloc.py has the measurements)
     import trio
 
     from .config import default_config_path, load_config

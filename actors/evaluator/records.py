@@ -30,6 +30,10 @@ class EvalRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Mean fraction of hidden tests passed."""
     time: float
     """Unix time the evaluation finished."""
+    rewards: tuple[float, ...] = ()
+    """Each task's reward, in the evaluation set's order (the same tasks and sampling
+    seed at every version, so two evaluations compare task by task: a paired test).
+    Empty in lines written before it existed."""
 
 
 class EvalState(msgspec.Struct, frozen=True):
@@ -46,7 +50,8 @@ def make_record(*, version: int, step: int, split: str, rewards: Sequence[float]
     passed = sum(1 for r in rewards if r == 1.0)
     ci = pass_rate_with_ci(passed, n)
     return EvalRecord(version=version, step=step, split=split, n=n, passed=passed, pass_at_1=ci.rate,
-                      ci_low=ci.low, ci_high=ci.high, mean_reward=float(sum(rewards)) / n, time=time)
+                      ci_low=ci.low, ci_high=ci.high, mean_reward=float(sum(rewards)) / n, time=time,
+                      rewards=tuple(float(r) for r in rewards))
 
 
 def is_due(version: int, evaluated: Iterable[int], every: int) -> bool:

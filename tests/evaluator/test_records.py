@@ -14,7 +14,7 @@ from fleetrl.actors.evaluator import EvalRecord, ScoringError, is_due, make_reco
 from fleetrl.actors.recipe import pass_rate_with_ci
 from fleetrl.harness.synthetic import generate_tasks
 
-FIELDS = ["version", "step", "split", "n", "passed", "pass_at_1", "ci_low", "ci_high", "mean_reward", "time"]
+FIELDS = ["version", "step", "split", "n", "passed", "pass_at_1", "ci_low", "ci_high", "mean_reward", "time", "rewards"]
 
 
 def test_record_has_exactly_the_report_fields():
@@ -23,7 +23,8 @@ def test_record_has_exactly_the_report_fields():
     assert list(obj) == FIELDS
     ci = pass_rate_with_ci(2, 4)
     assert obj == {"version": 3, "step": 2, "split": "fresh", "n": 4, "passed": 2, "pass_at_1": 0.5,
-                   "ci_low": ci.low, "ci_high": ci.high, "mean_reward": 0.625, "time": 12.5}
+                   "ci_low": ci.low, "ci_high": ci.high, "mean_reward": 0.625, "time": 12.5,
+                   "rewards": [1.0, 0.5, 1.0, 0.0]}
     with pytest.raises(ValueError, match="at least one task"):
         make_record(version=0, step=0, split="fresh", rewards=[], time=0.0)
 
@@ -34,6 +35,13 @@ def test_record_counts_only_full_passes(rewards):
     assert rec.passed == rewards.count(1.0) and rec.n == len(rewards)
     assert rec.ci_low <= rec.pass_at_1 <= rec.ci_high
     assert isinstance(msgspec.json.decode(msgspec.json.encode(rec), type=EvalRecord), EvalRecord)
+    assert list(rec.rewards) == rewards
+
+
+def test_lines_written_before_per_task_rewards_still_read():
+    old = {"version": 1, "step": 1, "split": "fresh", "n": 2, "passed": 1, "pass_at_1": 0.5, "ci_low": 0.1,
+           "ci_high": 0.9, "mean_reward": 0.5, "time": 1.0}
+    assert msgspec.json.decode(json.dumps(old), type=EvalRecord).rewards == ()
 
 
 def test_is_due():
