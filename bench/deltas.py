@@ -12,21 +12,27 @@ published step is encoded, and for each learning rate this prints:
 * dense XOR + zstd-1 (no shuffle, the common approach elsewhere) and dense XOR + shuffle +
   zstd-1 ratios;
 * raw int32 index + bf16 value ratio (uncompressed sparse);
-* encode and apply GB/s of weight bytes (apply = parse + verify + in-place XOR + hashes),
-  by wall clock and per CPU-second (the machine is shared; the load average is printed);
-  encode excludes hashing the new version, which the publisher does for its digest anyway;
+* encode and apply GB/s of weight bytes (apply = check + decompress + in-place XOR +
+  hashes, from the serialized bytes), by wall clock and per CPU-second (the machine is
+  shared; the load average is printed); encode excludes hashing the new version, which
+  the publisher does for its digest anyway;
 * the same encode and apply on one thread and the speed-up of the default thread count
   over it;
-* the baseline apply of format 1 measured in the same run on the same delta: u32 gaps and
-  u16 XOR words (shuffle + zstd-1), decompressed on the same threads, positions by a numpy
-  cumsum, a fancy-indexed XOR and the same chunk hashes; and our speed-up over it;
+* where apply's time goes, one thread: read (trailer, stream hashes, tables),
+  decompress every part, scatter-XOR kernels, chunk hashes (CPU ms of each stage alone);
+* baselines measured in the same run on the same delta: the same apply with blosc2
+  holding the GIL (its default: the parts then decompress one at a time), and the apply
+  of format 1: u32 gaps and u16 XOR words (shuffle + zstd-1), decompressed
+  on the same threads, positions by a numpy cumsum, a fancy-indexed XOR and the same
+  chunk hashes; and our speed-up over each;
 * position/value formats (split varints as stored, LEB128 in one stream, u8 gaps with
   escapes, format 1's u32 gaps): size as % of bound, decompressed bytes per change and
   single-thread decompression time, so the format is a measured choice;
-* alternatives (filters, split, codecs, block sizes, dense thresholds): size as % of bound
-  and encode speed, so the defaults are a measured choice.
+* alternatives (block sizes, part sizes, filters, split, codecs, dense thresholds): size
+  as % of bound, encode and apply speed, so the defaults are a measured choice.
 
-Ends with one JSON line. Run: .venv/bin/python bench/deltas.py [--params 50e6] [--steps 2]
+Ends with one JSON line. Run: .venv/bin/python bench/deltas.py [--params 50e6]
+[--lrs 1e-5] [--no-alternatives] (the last two for a quicker subset).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import numpy as np
 import torch
 import xxhash
 
-from fleetrl.actors.weights import codec
+from fleetrl.actors.weights import codec, kernels
 from fleetrl.actors.weights.metrics import entropy_bound_bytes
 from fleetrl.actors.weights.version import (
     DEFAULT_THREADS,
@@ -57,15 +63,18 @@ from fleetrl.actors.weights.version import (
 LRS = [1e-7, 1e-6, 3e-6, 1e-5]
 
 ALTERNATIVES = {
-    "default (shuffle, split, zstd1)": codec.CodecParams(),
-    "bitshuffle, split, zstd1": codec.CodecParams(filter="bitshuffle"),
-    "shuffle, no split, zstd1 (dense words)": codec.CodecParams(split=False),
-    "no filter, zstd1": codec.CodecParams(filter="none", split=False),
-    "shuffle, split, zstd3": codec.CodecParams(clevel=3),
-    "shuffle, split, zstd9": codec.CodecParams(clevel=9),
-    "shuffle, split, lz4": codec.CodecParams(codec="lz4"),
-    "shuffle, split, zstd1, 1 MiB blocks": codec.CodecParams(blocksize=1 << 20),
-    "shuffle, split, zstd1, 64 KiB blocks": codec.CodecParams(blocksize=1 << 16),
+    "default (zstd1, big byte parts one block)": codec.CodecParams(),
+    "blosc2's blocks everywhere (earlier writer)": codec.CodecParams(blocksize=-1),
+    "1 MiB blocks everywhere": codec.CodecParams(blocksize=1 << 20),
+    "64 KiB blocks everywhere": codec.CodecParams(blocksize=1 << 16),
+    "256 KiB parts": codec.CodecParams(part_bytes=1 << 18),
+    "4 MiB parts": codec.CodecParams(part_bytes=1 << 22),
+    "bitshuffle": codec.CodecParams(filter="bitshuffle"),
+    "dense words: shuffle, no split": codec.CodecParams(split=False),
+    "dense words: no filter": codec.CodecParams(filter="none", split=False),
+    "zstd3": codec.CodecParams(clevel=3),
+    "zstd9": codec.CodecParams(clevel=9),
+    "lz4": codec.CodecParams(codec="lz4"),
     "dense threshold 0.05": codec.CodecParams(dense_threshold=0.05),
     "never dense": codec.CodecParams(dense_threshold=1.0),
 }
@@ -139,7 +148,9 @@ def best_of(fn, reps: int):
 
 
 def _zstd1(arr: np.ndarray, typesize: int, filt=blosc2.Filter.SHUFFLE) -> list[bytes]:
-    """4 MiB parts, zstd-1, one blosc2 thread (as the codec writes its streams)."""
+    """4 MiB parts, zstd-1, one blosc2 thread; no shuffle on bytes (as the codec)."""
+    if typesize == 1 and filt == blosc2.Filter.SHUFFLE:
+        filt = blosc2.Filter.NOFILTER
     cp = dict(typesize=typesize, codec=blosc2.Codec.ZSTD, clevel=1, filters=[filt], filters_meta=[0],
               splitmode=blosc2.SplitMode.ALWAYS_SPLIT, nthreads=1)
     raw = arr.view(np.uint8)
@@ -187,6 +198,65 @@ def format1_apply(layout, d, gaps, words, work, old, reps, threads) -> float:
         for a, b in zip(work, old):
             np.copyto(a, b)
     return best
+
+
+def apply_gil_held(layout, blob, base_digest, work, old, reps, threads) -> float:
+    """Best wall seconds of the same apply with blosc2 holding the GIL (its default, and
+    the codec's behaviour before it turned the release on): the parts' decompression then
+    runs one part at a time whatever the thread count."""
+    best = math.inf
+    before = blosc2.set_releasegil(False)
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            codec.apply(work, blob, layout, current_version=0, current_digest=base_digest, threads=threads)
+            best = min(best, time.perf_counter() - t0)
+            for a, b in zip(work, old):
+                np.copyto(a, b)
+    finally:
+        blosc2.set_releasegil(before)
+    return best
+
+
+def apply_stages(layout, blob, work, old, reps) -> dict:
+    """CPU ms of each stage of apply alone, on one thread: read (trailer, stream hashes,
+    tables), decompress every part, the scatter-XOR kernels, the changed chunks' hashes."""
+    def cpu(fn, reset=False) -> float:
+        best = math.inf
+        for _ in range(reps):
+            c0 = time.process_time()
+            fn()
+            best = min(best, time.process_time() - c0)
+            if reset:
+                for a, b in zip(work, old):
+                    np.copyto(a, b)
+        return 1e3 * best
+
+    packed = codec.read(blob)
+    outs = packed.buffers()
+    parts = [(s, i) for s, ps in enumerate(packed.parts) for i in range(len(ps))]
+    read_ms = cpu(lambda: codec.read(blob))
+    decompress_ms = cpu(lambda: [packed.decompress(s, i, outs) for s, i in parts])
+    d = packed.decoded(outs)
+    sparse = np.flatnonzero(d.kinds == codec.SPARSE).tolist()
+    dense = np.flatnonzero(d.kinds == codec.DENSE).tolist()
+    seg = {c: work[int(layout.tensor_of[c])][int(layout.starts[c]) : int(layout.stops[c])]
+           for c in sparse + dense}
+    dense_words = {}
+    at = 0
+    for c in dense:
+        dense_words[c] = d.dense[at : at + seg[c].size]
+        at += seg[c].size
+
+    def xor_all():
+        for c in sparse:
+            kernels.xor_chunk(seg[c], *d.varints(c))
+        for c in dense:
+            seg[c] ^= dense_words[c]
+
+    xor_ms = cpu(xor_all, reset=True)
+    hash_ms = cpu(lambda: [xxhash.xxh3_128_digest(seg[c]) for c in sparse + dense])
+    return {"read": read_ms, "decompress": decompress_ms, "xor": xor_ms, "hash": hash_ms}
 
 
 def position_formats(d: codec.Delta, blob: bytes, bound: float) -> dict:
@@ -274,8 +344,10 @@ def measure(layout, old, new, reps: int, alternatives: bool, threads: int = DEFA
 
     apply1_times, _ = timed_apply(1)
     apply_times, apply_cpu = timed_apply(threads)
+    gil_held = apply_gil_held(layout, blob, base_digest, work, old, reps, threads)
     gaps, words = sparse_entries(d)
     v1_apply = format1_apply(layout, d, gaps, words, work, old, reps, threads)
+    stages = apply_stages(layout, blob, work, old, reps)
     codec.apply(work, blob, layout, current_version=0, current_digest=base_digest)
     assert all(np.array_equal(a, b) for a, b in zip(work, new)), "delta is not exact"
     for a, b in zip(work, old):
@@ -293,7 +365,9 @@ def measure(layout, old, new, reps: int, alternatives: bool, threads: int = DEFA
         "threads": threads,
         "encode_1thread_GBps": wbytes / enc1_s / 1e9,
         "apply_1thread_GBps": wbytes / min(apply1_times) / 1e9,
+        "apply_blosc2_gil_held_GBps": wbytes / gil_held / 1e9,
         "apply_format1_numpy_GBps": wbytes / v1_apply / 1e9,
+        "apply_stages_cpu_ms_1thread": stages,
         # per CPU-second (all threads): what the code costs when the 2 cores are shared
         "encode_GB_per_cpu_s": wbytes / enc_cpu / 1e9,
         "apply_GB_per_cpu_s": wbytes / min(apply_cpu) / 1e9,
@@ -321,6 +395,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="timing repetitions (best of)")
     ap.add_argument("--no-alternatives", action="store_true")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the trainer")
+    ap.add_argument("--lrs", type=float, nargs="+", default=LRS, metavar="LR",
+                    help="learning rates to measure (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shapes = model_shapes(args.params)
@@ -330,7 +406,7 @@ def main() -> None:
           f"{layout.n_chunks} chunks of {layout.chunk_elems} elements; blosc2 {blosc2.__version__}, "
           f"{blosc2.nthreads} blosc2 threads")
     results = {}
-    for lr in LRS:
+    for lr in args.lrs:
         tr = Trainer(shapes, lr)
         for _ in range(args.warmup):
             tr.step()
@@ -358,13 +434,19 @@ def main() -> None:
               f"{row['apply_1thread_GBps']:.2f} GB/s; {row['threads']} threads are "
               f"{row['encode_GBps'] / row['encode_1thread_GBps']:.2f}x / "
               f"{row['apply_GBps'] / row['apply_1thread_GBps']:.2f}x faster")
+        st_ms = row["apply_stages_cpu_ms_1thread"]
+        print("  apply stages, CPU ms on 1 thread: " + ", ".join(f"{k} {v:.1f}" for k, v in st_ms.items())
+              + f" (sum {sum(st_ms.values()):.1f})")
+        print(f"  baseline: blosc2 holding the GIL {row['apply_blosc2_gil_held_GBps']:.2f} GB/s on "
+              f"{row['threads']} threads; releasing it is "
+              f"{row['apply_GBps'] / row['apply_blosc2_gil_held_GBps']:.2f}x faster")
         print(f"  baseline: format-1 numpy apply {row['apply_format1_numpy_GBps']:.2f} GB/s on "
               f"{row['threads']} threads; ours is {row['apply_GBps'] / row['apply_format1_numpy_GBps']:.2f}x faster")
         for name, f in row["formats"].items():
             print(f"    format {name:46s} {f['pct_of_bound']:6.1f}% of bound, "
                   f"{f['raw_bytes_per_change']:.2f} raw B/change, decompress {f['decompress_ms_1thread']:.1f} ms")
         for name, a in row.get("alternatives", {}).items():
-            print(f"    alt {name:38s} {a['pct_of_bound']:6.1f}% of bound, encode {a['encode_GBps']:.2f} GB/s, "
+            print(f"    alt {name:44s} {a['pct_of_bound']:6.1f}% of bound, encode {a['encode_GBps']:.2f} GB/s, "
                   f"apply {a['apply_GBps']:.2f} GB/s")
     worst = min(r["pct_of_bound"] for r in results.values())
     summary = {

@@ -30,9 +30,13 @@ is its own inverse).
 
 Speed: per-chunk work (diff, varint coding, scatter-XOR, hashing) and the stream parts'
 (de)compression run on a small shared thread pool (:func:`.version.parallel_map`,
-``threads`` arguments, default 2); the numba kernels, xxhash and blosc2 release the GIL.
-Chunks are disjoint and parts are compressed with one blosc2 thread each, so bytes,
-results and undo do not depend on the thread count.
+``threads`` arguments, default 2); the numba kernels, xxhash and blosc2 release the GIL
+(:mod:`.streams` turns blosc2's release on, without which every "parallel" part ran one
+at a time). :func:`read` checks everything but decompresses nothing (what a follower
+needs to decide how to apply); :func:`apply` then decompresses the parts on the workers
+and runs the per-chunk pass on the same workers. Chunks are disjoint and parts are
+compressed with one blosc2 thread each, so bytes, results and undo do not depend on the
+thread count.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import msgspec
 import numpy as np
 import xxhash
 
-from . import kernels
+from . import kernels, streams
 from .version import NO_VERSION, Layout, chunk_hashes, digest_of, parallel_map
 
 __all__ = [
@@ -63,7 +67,9 @@ __all__ = [
     "DeltaFormatError",
     "DeltaMismatchError",
     "DeltaVerifyError",
+    "DeltaHeader",
     "Delta",
+    "PackedDelta",
     "ChangedRange",
     "DEFAULT_PARAMS",
     "check_fits",
@@ -71,6 +77,7 @@ __all__ = [
     "encode_anchor",
     "build",
     "serialize",
+    "read",
     "parse",
     "apply",
     "compose",
@@ -80,10 +87,6 @@ MAGIC = b"FRLD"
 FORMAT_VERSION = 2
 UNCHANGED, SPARSE, DENSE = 0, 1, 2
 _HASH = 16
-_PART_BYTES = 1 << 20  # raw bytes per blosc2 chunk of a stream (1 MiB): parts are
-# (de)compressed on the worker threads, one blosc2 thread each, so the bytes do not depend
-# on the thread count (blosc2's own threads write blocks in completion order); 1 MiB parts
-# keep two threads evenly busy on a few MiB of heads at no measurable cost in size
 
 _FIXED = struct.Struct("<4sHBB16sQ16sQ16sIIIIQH")
 _STREAM = struct.Struct("<QQ16s")
@@ -114,9 +117,14 @@ class CodecParams(msgspec.Struct, frozen=True):
 
     codec: str = "zstd"
     clevel: int = 1
-    filter: str = "shuffle"  # "shuffle" | "bitshuffle" | "none" (a no-op on byte streams)
+    # "shuffle" | "bitshuffle" | "none"; shuffle applies to the dense words only (on the
+    # byte streams it is the identity, which blosc2 would still pay a copy per block for)
+    filter: str = "shuffle"
     split: bool = True  # compress each byte plane separately (dense words)
-    blocksize: int = 0  # 0: blosc2 picks
+    # 0: one block per byte-stream part of >= streams.ONE_BLOCK_FROM raw bytes, blosc2's
+    # choice otherwise; -1: blosc2's choice everywhere; > 0: that block size everywhere
+    blocksize: int = 0
+    part_bytes: int = streams.PART_BYTES  # raw bytes per stored part (any size reads back)
     dense_threshold: float = 0.25  # changed fraction above which a chunk goes dense
     # blosc2 threads per stream part; 0: one (parts already run on the codec's worker
     # threads, and one thread keeps the bytes reproducible, see docs/delta-format.md)
@@ -125,8 +133,13 @@ class CodecParams(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if not 0.0 <= self.dense_threshold <= 1.0:
             raise ValueError(f"CodecParams.dense_threshold must be in [0, 1], got {self.dense_threshold}")
+        if self.blocksize < -1:
+            raise ValueError(f"CodecParams.blocksize must be -1, 0 or a size in bytes, got {self.blocksize}")
+        if not 2 <= self.part_bytes <= 1 << 30:
+            raise ValueError(f"CodecParams.part_bytes must be in [2, 2**30], got {self.part_bytes}")
 
-    def cparams(self, typesize: int) -> dict:
+    def cparams(self, typesize: int, nbytes: int = 0) -> dict:
+        """blosc2 settings for a part of ``nbytes`` raw bytes of ``typesize``-byte items."""
         codecs = {"zstd": blosc2.Codec.ZSTD, "lz4": blosc2.Codec.LZ4, "zlib": blosc2.Codec.ZLIB,
                   "blosclz": blosc2.Codec.BLOSCLZ, "lz4hc": blosc2.Codec.LZ4HC}
         filters = {"shuffle": blosc2.Filter.SHUFFLE, "bitshuffle": blosc2.Filter.BITSHUFFLE,
@@ -135,14 +148,20 @@ class CodecParams(msgspec.Struct, frozen=True):
             raise ValueError(f"CodecParams.codec must be one of {sorted(codecs)}, got {self.codec!r}")
         if self.filter not in filters:
             raise ValueError(f"CodecParams.filter must be one of {sorted(filters)}, got {self.filter!r}")
+        byte_stream = typesize == 1
+        filt = blosc2.Filter.NOFILTER if byte_stream and self.filter == "shuffle" else filters[self.filter]
+        blocksize = max(self.blocksize, 0)
+        if self.blocksize == 0 and byte_stream and nbytes >= streams.ONE_BLOCK_FROM:
+            blocksize = nbytes
         return dict(
             typesize=typesize,
             codec=codecs[self.codec],
             clevel=self.clevel,
-            filters=[filters[self.filter]],
+            filters=[filt],
             filters_meta=[0],
-            splitmode=blosc2.SplitMode.ALWAYS_SPLIT if self.split else blosc2.SplitMode.NEVER_SPLIT,
-            blocksize=self.blocksize,
+            splitmode=blosc2.SplitMode.ALWAYS_SPLIT if self.split and not byte_stream
+            else blosc2.SplitMode.NEVER_SPLIT,
+            blocksize=blocksize,
             nthreads=self.nthreads or 1,
         )
 
@@ -151,14 +170,15 @@ DEFAULT_PARAMS = CodecParams()
 
 
 @dataclass(frozen=True, eq=False)
-class Delta:
-    """A decoded delta, its sparse chunks still in split-varint form (what the kernels
-    read; positions are decoded per chunk on demand by :meth:`entries`).
+class DeltaHeader:
+    """What a delta says about itself: run, model, base and target, and its chunk table.
 
     ``table[c]`` is ``(entries, gap tail bytes, value tail bytes)`` of chunk ``c`` (all 0
     unless SPARSE); every sparse chunk's bytes are concatenated in chunk order in the
-    four byte streams; dense chunks' XOR words are concatenated in ``dense``;
-    ``target_hashes[c]`` is the chunk's hash after applying (``b""`` if UNCHANGED).
+    four byte streams, so ``offsets[c]`` (the running sums) is where chunk ``c``'s bytes
+    start in the heads (entries), gap tails and value tails; dense chunks' XOR words are
+    concatenated in chunk order in the dense stream; ``target_hashes[c]`` is the chunk's
+    hash after applying (``b""`` if UNCHANGED).
     """
 
     run: str
@@ -171,11 +191,6 @@ class Delta:
     kinds: np.ndarray  # uint8 [n_chunks]
     table: np.ndarray  # int64 [n_chunks, 3]
     target_hashes: tuple[bytes, ...]
-    gap_head: np.ndarray  # uint8, one per entry
-    gap_tail: np.ndarray  # uint8
-    value_head: np.ndarray  # uint8, one per entry
-    value_tail: np.ndarray  # uint8
-    dense: np.ndarray  # uint16
     offsets: np.ndarray = field(init=False)  # int64 [n_chunks + 1, 3]: where each chunk's bytes start
 
     def __post_init__(self) -> None:
@@ -194,7 +209,7 @@ class Delta:
 
     @property
     def n_entries(self) -> int:
-        return int(self.gap_head.size)
+        return int(self.offsets[-1, 0])
 
     @property
     def is_anchor(self) -> bool:
@@ -204,6 +219,26 @@ class Delta:
     def is_empty(self) -> bool:
         """True when no chunk changes."""
         return not bool((self.kinds != UNCHANGED).any())
+
+
+@dataclass(frozen=True, eq=False)
+class Delta(DeltaHeader):
+    """A decoded delta, its sparse chunks still in split-varint form (what the kernels
+    read; positions are decoded per chunk on demand by :meth:`entries`)."""
+
+    gap_head: np.ndarray  # uint8, one per entry
+    gap_tail: np.ndarray  # uint8
+    value_head: np.ndarray  # uint8, one per entry
+    value_tail: np.ndarray  # uint8
+    dense: np.ndarray  # uint16
+
+    @property
+    def n_entries(self) -> int:
+        return int(self.gap_head.size)
+
+    @property
+    def n_dense_words(self) -> int:
+        return int(self.dense.size)
 
     @property
     def changed_elements(self) -> int:
@@ -256,6 +291,52 @@ class Delta:
                 at += n
             self.__dict__["_dense_cache"] = cache
         return cache
+
+
+@dataclass(frozen=True, eq=False)
+class PackedDelta(DeltaHeader):
+    """A checked delta whose streams are still compressed (what :func:`read` returns).
+
+    Everything :func:`parse` checks has been checked (trailer, structure, chunk table,
+    stream hashes, part tables); nothing is decompressed (the follower decides from the
+    header how to apply). :meth:`decode` decompresses every part into a :class:`Delta`.
+    ``parts[s]`` are stream ``s``'s stored parts (views into the delta's bytes) with the
+    raw ranges they fill.
+    """
+
+    raw_lengths: tuple[int, ...]  # raw bytes of each stream, in STREAMS order
+    parts: tuple[tuple[streams.Part, ...], ...]
+
+    @property
+    def n_dense_words(self) -> int:
+        return self.raw_lengths[-1] // 2
+
+    def buffers(self) -> list[np.ndarray]:
+        """Uninitialised uint8 outputs for the five raw streams."""
+        return [np.empty(n, np.uint8) for n in self.raw_lengths]
+
+    def decompress(self, s: int, i: int, outs: Sequence[np.ndarray]) -> None:
+        """Part ``i`` of stream ``s`` into ``outs[s]``; DeltaFormatError if blosc2 cannot."""
+        try:
+            streams.decompress_into(STREAMS[s], i, self.parts[s][i], outs[s])
+        except streams.StreamError as e:
+            raise DeltaFormatError(str(e)) from None
+
+    def decode(self, *, threads: int | None = None) -> Delta:
+        """The decoded delta: every part decompressed on ``threads`` workers."""
+        outs = self.buffers()
+        jobs = [(s, i) for s, ps in enumerate(self.parts) for i in range(len(ps))]
+        parallel_map(lambda j: self.decompress(*jobs[j], outs), range(len(jobs)), threads)
+        return self.decoded(outs)
+
+    def decoded(self, outs: Sequence[np.ndarray]) -> Delta:
+        """The Delta whose raw streams are ``outs`` (every part decompressed into them)."""
+        gh, gt, vh, vt, dense = (o.view(dt) for o, dt in zip(outs, _DTYPE))
+        return Delta(run=self.run, fingerprint=self.fingerprint, chunk_elems=self.chunk_elems,
+                     base_version=self.base_version, base_digest=self.base_digest,
+                     target_version=self.target_version, target_digest=self.target_digest,
+                     kinds=self.kinds, table=self.table, target_hashes=self.target_hashes,
+                     gap_head=gh, gap_tail=gt, value_head=vh, value_tail=vt, dense=dense)
 
 
 class ChangedRange:
@@ -423,86 +504,17 @@ def encode_anchor(
     return serialize(d, params, threads=threads)
 
 
-# ----------------------------------------------------------------------------- streams
-
-
-def _pack_streams(arrays: Sequence[np.ndarray], params: CodecParams, threads: int | None) -> list[bytes]:
-    """Every stream in its stored form: nothing when empty, else a u32 part count, the
-    u64 stored length of each part, then the parts (blosc2 chunks of at most
-    ``_PART_BYTES`` raw bytes). All parts of all streams are compressed on ``threads``
-    workers, each with ``params.nthreads`` blosc2 threads (0: one, which keeps the bytes
-    reproducible)."""
-    jobs: list[tuple[int, np.ndarray, dict]] = []
-    for s, arr in enumerate(arrays):
-        raw, cp = arr.view(np.uint8), params.cparams(arr.itemsize)
-        step = _PART_BYTES - _PART_BYTES % arr.itemsize
-        jobs.extend((s, raw[i : i + step], cp) for i in range(0, raw.size, step))
-    packed = parallel_map(lambda j: blosc2.compress2(jobs[j][1], **jobs[j][2]), range(len(jobs)), threads)
-    out = []
-    for s in range(len(arrays)):
-        parts = [p for (js, _, _), p in zip(jobs, packed) if js == s]
-        head = struct.pack(f"<I{len(parts)}Q", len(parts), *(len(p) for p in parts)) if parts else b""
-        out.append(head + b"".join(parts))
-    return out
-
-
-def _unpack_streams(stored: Sequence[memoryview], raw_lens: Sequence[int],
-                    threads: int | None) -> list[np.ndarray]:
-    """Inverse of :func:`_pack_streams`. Each stream's part table is checked against its
-    raw length first; then all parts of all streams are decompressed on ``threads``
-    workers (one blosc2 thread each) straight into the outputs."""
-    outs, jobs = [], []
-    for name, data, raw_len in zip(STREAMS, stored, raw_lens):
-        out = np.empty(raw_len, dtype=np.uint8)
-        outs.append(out)
-        jobs.extend((name, i, part, out[lo:hi]) for i, (part, lo, hi) in enumerate(_parts(name, data, raw_len)))
-
-    def one(j: int) -> Exception | None:
-        _, _, part, dst = jobs[j]
-        try:
-            blosc2.decompress2(part, dst=dst, nthreads=1)
-        except Exception as e:  # noqa: BLE001 - reported below with the part's index
-            return e
-        return None
-
-    for (name, i, _, _), e in zip(jobs, parallel_map(one, range(len(jobs)), threads)):
-        if e is not None:
-            raise DeltaFormatError(f"stream {name!r} part {i}: cannot decompress ({e})") from e
-    return [o.view(dt) for o, dt in zip(outs, _DTYPE)]
-
-
-def _parts(name: str, data: memoryview, raw_len: int) -> list[tuple[memoryview, int, int]]:
-    """``(stored part, raw start, raw stop)`` of one stored stream, every size checked."""
-    if raw_len == 0:
-        if len(data):
-            raise DeltaFormatError(f"stream {name!r}: {len(data)} bytes for an empty stream")
-        return []
-    r = _Reader(data)
-    (n_parts,) = struct.unpack("<I", r.take(4, f"stream {name!r} part count"))
-    sizes = struct.unpack(f"<{n_parts}Q", r.take(8 * n_parts, f"stream {name!r} part sizes"))
-    out, at = [], 0
-    for i, sz in enumerate(sizes):
-        part = r.take(sz, f"stream {name!r} part {i}")
-        try:
-            nbytes = blosc2.get_cbuffer_sizes(part)[0]
-        except Exception as e:  # blosc2 raises several types for garbage headers
-            raise DeltaFormatError(f"stream {name!r} part {i}: not a blosc2 chunk ({e})") from e
-        if at + nbytes > raw_len:
-            raise DeltaFormatError(f"stream {name!r}: parts exceed the declared {raw_len} bytes")
-        out.append((part, at, at + nbytes))
-        at += nbytes
-    if at != raw_len or r.at != len(data):
-        raise DeltaFormatError(f"stream {name!r}: parts hold {at} bytes, header says {raw_len}")
-    return out
+# ----------------------------------------------------------------------------- serialize
 
 
 def serialize(d: Delta, params: CodecParams = DEFAULT_PARAMS, *, threads: int | None = None) -> bytes:
-    """Bytes of ``d`` in format version 2 (docs/delta-format.md)."""
+    """Bytes of ``d`` in format version 2 (docs/delta-format.md); stream parts are
+    compressed on ``threads`` workers."""
     run = d.run.encode()
     if len(run) > 0xFFFF:
         raise ValueError("run id longer than 65535 bytes")
     raw = d.streams()
-    stored = _pack_streams(raw, params, threads)
+    stored = streams.pack(raw, params.cparams, params.part_bytes, threads)
     sparse = d.kinds == SPARSE
     changed = [h for h in d.target_hashes if h]
     out = [
@@ -544,6 +556,13 @@ def parse(blob: bytes | bytearray | memoryview, *, threads: int | None = None) -
     Streams are decompressed on ``threads`` workers. Positions stay in their compact
     varint form; they are checked (inside their chunk) as they are decoded or applied.
     """
+    return read(blob).decode(threads=threads)
+
+
+def read(blob: bytes | bytearray | memoryview) -> PackedDelta:
+    """Check a serialized delta without decompressing it: trailer, magic, version, flags,
+    every length, the chunk table, each stream's hash and part table. Raises
+    DeltaFormatError naming what is wrong. The result keeps views into ``blob``."""
     buf = memoryview(blob).cast("B")
     if len(buf) < _FIXED.size + _HASH:
         raise DeltaFormatError(f"truncated delta: {len(buf)} bytes is shorter than any header")
@@ -566,7 +585,7 @@ def parse(blob: bytes | bytearray | memoryview, *, threads: int | None = None) -
         run = bytes(r.take(run_len, "run id")).decode()
     except UnicodeDecodeError as e:
         raise DeltaFormatError("run id is not UTF-8") from e
-    streams = [_STREAM.unpack(r.take(_STREAM.size, f"stream table entry {name!r}")) for name in STREAMS]
+    table_rows = [_STREAM.unpack(r.take(_STREAM.size, f"stream table entry {name!r}")) for name in STREAMS]
     kinds = np.frombuffer(r.take(n_chunks, "chunk kinds"), dtype=np.uint8).copy()
     if (kinds > DENSE).any():
         bad = int(np.flatnonzero(kinds > DENSE)[0])
@@ -586,8 +605,8 @@ def parse(blob: bytes | bytearray | memoryview, *, threads: int | None = None) -
     changed_iter = iter(hraw[i : i + _HASH] for i in range(0, len(hraw), _HASH))
     hashes = tuple(next(changed_iter) if k != UNCHANGED else b"" for k in kinds.tolist())
     expect = (n_changes, totals[1], n_changes, totals[2], None)
-    stored = []
-    for (clen, raw_len, h), name, want, size in zip(streams, STREAMS, expect, _ITEMSIZE):
+    parts = []
+    for (clen, raw_len, h), name, want, size in zip(table_rows, STREAMS, expect, _ITEMSIZE):
         data = r.take(clen, f"stream {name!r}")
         if xxhash.xxh3_128_digest(data) != h:
             raise DeltaFormatError(f"stream {name!r}: hash mismatch")
@@ -595,20 +614,22 @@ def parse(blob: bytes | bytearray | memoryview, *, threads: int | None = None) -
             raise DeltaFormatError(f"stream {name!r}: {raw_len} raw bytes, the chunk table says {want}")
         if raw_len % size:
             raise DeltaFormatError(f"stream {name!r}: raw length {raw_len} is not whole elements")
-        stored.append(data)
+        try:
+            parts.append(tuple(streams.split(name, data, raw_len)))
+        except streams.StreamError as e:
+            raise DeltaFormatError(str(e)) from None
     if r.at != len(r.buf):
         raise DeltaFormatError(f"{len(r.buf) - r.at} unexpected bytes before the trailer")
-    gh, gt, vh, vt, dense = _unpack_streams(stored, [s[1] for s in streams], threads)
-    return Delta(run=run, fingerprint=bytes(fp), chunk_elems=chunk_elems, base_version=base_v,
-                 base_digest=bytes(base_d), target_version=tgt_v, target_digest=bytes(tgt_d),
-                 kinds=kinds, table=table, target_hashes=hashes, gap_head=gh, gap_tail=gt,
-                 value_head=vh, value_tail=vt, dense=dense)
+    return PackedDelta(run=run, fingerprint=bytes(fp), chunk_elems=chunk_elems, base_version=base_v,
+                       base_digest=bytes(base_d), target_version=tgt_v, target_digest=bytes(tgt_d),
+                       kinds=kinds, table=table, target_hashes=hashes,
+                       raw_lengths=tuple(row[1] for row in table_rows), parts=tuple(parts))
 
 
 # ----------------------------------------------------------------------------- apply
 
 
-def check_fits(d: Delta, layout: Layout, *, run: str | None = None) -> None:
+def check_fits(d: Delta | PackedDelta, layout: Layout, *, run: str | None = None) -> None:
     """Raise DeltaMismatchError/DeltaFormatError unless ``d`` fits ``layout``."""
     if run is not None and d.run != run:
         raise DeltaMismatchError(f"delta is for run {d.run!r}, not {run!r}")
@@ -625,13 +646,13 @@ def check_fits(d: Delta, layout: Layout, *, run: str | None = None) -> None:
     if bad.size:
         raise DeltaFormatError(f"{layout.chunk_name(int(bad[0]))}: more sparse entries than elements")
     want = int(layout.lengths[d.kinds == DENSE].sum())
-    if d.dense.size != want:
-        raise DeltaFormatError(f"dense stream holds {d.dense.size} words, dense chunks need {want}")
+    if d.n_dense_words != want:
+        raise DeltaFormatError(f"dense stream holds {d.n_dense_words} words, dense chunks need {want}")
 
 
 def apply(
     arrays: Sequence[np.ndarray],
-    delta: Delta | bytes | bytearray | memoryview,
+    delta: Delta | PackedDelta | bytes | bytearray | memoryview,
     layout: Layout,
     *,
     current_version: int,
@@ -648,11 +669,14 @@ def apply(
     misses its target hash (DeltaVerifyError), every touched chunk is restored first:
     the weights are then exactly as before the call.
 
-    Each changed chunk is XOR-ed by one compiled pass and hashed right after, while it is
-    still in cache, on ``threads`` workers (chunks are disjoint, so the result, and the
-    undo on a failure, do not depend on the thread count).
+    Bytes and a :class:`PackedDelta` are first decompressed, every stream part on
+    ``threads`` workers (blosc2 releases the GIL, see :mod:`.streams`; a part that cannot
+    be decompressed raises DeltaFormatError with nothing touched). Then each changed
+    chunk is XOR-ed by one compiled pass and hashed right after, while it is still in
+    cache, on the same workers (chunks are disjoint, so the result, and the undo on a
+    failure, do not depend on the thread count).
     """
-    d = delta if isinstance(delta, Delta) else parse(delta, threads=threads)
+    d = delta if isinstance(delta, (Delta, PackedDelta)) else read(delta)
     check_fits(d, layout, run=run)
     layout.check_arrays(arrays)
     if d.base_version != current_version or d.base_digest != current_digest:
@@ -665,13 +689,14 @@ def apply(
     dense_lens = np.where(d.kinds == DENSE, layout.lengths, 0)
     dense_off = (np.cumsum(dense_lens) - dense_lens).tolist()
     kinds = d.kinds.tolist()
+    full = d.decode(threads=threads) if isinstance(d, PackedDelta) else d
 
     def xor(c: int) -> int:
         """XOR chunk c in place: 0, or a kernel error code (the chunk is then untouched)."""
         seg = arrays[tensor_of[c]][starts[c] : stops[c]]
         if kinds[c] == SPARSE:
-            return kernels.xor_chunk(seg, *d.varints(c))
-        seg ^= d.dense[dense_off[c] : dense_off[c] + seg.size]
+            return kernels.xor_chunk(seg, *full.varints(c))
+        seg ^= full.dense[dense_off[c] : dense_off[c] + seg.size]
         return 0
 
     def one(c: int) -> bool | str:
@@ -695,7 +720,7 @@ def apply(
             f"version {_v(d.base_version)} -> {d.target_version}; all changes were undone "
             "(the weights differ from the claimed base)"
         )
-    return [ChangedRange(tensor_of[c], starts[c], stops[c], d if kinds[c] == SPARSE else None, c)
+    return [ChangedRange(tensor_of[c], starts[c], stops[c], full if kinds[c] == SPARSE else None, c)
             for c in changed]
 
 

@@ -107,9 +107,9 @@ class Follower:
         """Recompute the digest of the shadow; False if it is not the recorded one."""
         return self.version is not None and digest_of(chunk_hashes(self.layout, self._arrays)) == self.digest
 
-    def apply(self, blob: bytes | codec.Delta) -> list[codec.ChangedRange]:
+    def apply(self, blob: bytes | codec.Delta | codec.PackedDelta) -> list[codec.ChangedRange]:
         """Apply one delta (or anchor) in place; raises codec.DeltaError, weights intact."""
-        d = blob if isinstance(blob, codec.Delta) else codec.parse(blob)
+        d = blob if isinstance(blob, (codec.Delta, codec.PackedDelta)) else codec.read(blob)
         codec.check_fits(d, self.layout, run=self.run)
         reset = d.is_anchor
         if reset:

@@ -140,16 +140,19 @@ def _walk(seg, gh, gt, vh, vt, n, stop, xor, pos_out, val_out):
     tv = 0
     p = np.int64(-1)
     for j in range(stop):
-        g, ti = _get(gh, j, gt, ti, _GAP_MAX)
-        if ti < 0:
-            return j, E_TAIL
-        if g < 0:
-            return j, E_OVERFLOW
-        v, tv = _get(vh, j, vt, tv, _WORD_MAX)
-        if tv < 0:
-            return j, E_TAIL
-        if v < 0:
-            return j, E_OVERFLOW
+        g = np.int64(gh[j])
+        v = np.int64(vh[j])
+        if (g | v) & 0x80:  # a tail byte follows (rare: a gap or XOR word of 128 or more)
+            g, ti = _get(gh, j, gt, ti, _GAP_MAX)
+            if ti < 0:
+                return j, E_TAIL
+            if g < 0:
+                return j, E_OVERFLOW
+            v, tv = _get(vh, j, vt, tv, _WORD_MAX)
+            if tv < 0:
+                return j, E_TAIL
+            if v < 0:
+                return j, E_OVERFLOW
         if v == 0:
             return j, E_ZERO
         p += g + 1

@@ -52,8 +52,9 @@ _MAX_CHUNK_ELEMS = 1 << 31
 DEFAULT_THREADS = max(1, min(2, os.cpu_count() or 1))
 """Worker threads per-chunk work (diff, gaps, scatter-XOR, hashing) uses by default.
 
-numpy's ufuncs and fancy indexing, xxhash and blosc2 release the GIL on large buffers,
-so chunks run truly in parallel; 2 is the deployment target (a trainer or sampler host
+numpy's ufuncs and fancy indexing, the numba kernels, xxhash and blosc2 (the codec turns
+on blosc2's GIL release, which is off by default) release the GIL on large buffers, so
+chunks run truly in parallel; 2 is the deployment target (a trainer or sampler host
 leaves the other cores to the model)."""
 
 _T = TypeVar("_T")
@@ -83,10 +84,7 @@ def parallel_map(fn: Callable[[int], _T], items: Sequence[int], threads: int | N
     items = list(items)
     if n == 1 or len(items) < 2:
         return [fn(i) for i in items]
-    with _pools_lock:
-        pool = _pools.get(n)
-        if pool is None:
-            pool = _pools[n] = ThreadPoolExecutor(n, thread_name_prefix=f"fleetrl-weights-{n}")
+    pool = _pool(n)
     size = -(-len(items) // (8 * n))
     if size == 1:
         return list(pool.map(fn, items))
@@ -95,6 +93,14 @@ def parallel_map(fn: Callable[[int], _T], items: Sequence[int], threads: int | N
     for part in pool.map(lambda b: [fn(i) for i in b], batches):
         out.extend(part)
     return out
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            pool = _pools[n] = ThreadPoolExecutor(n, thread_name_prefix=f"fleetrl-weights-{n}")
+    return pool
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):

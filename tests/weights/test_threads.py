@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.actors.weights import codec
+from fleetrl.actors.weights import codec, streams
 from fleetrl.actors.weights.version import (
     Layout,
     TensorSpec,
@@ -149,7 +149,7 @@ def test_multi_part_streams_serialize_to_the_same_bytes_on_any_thread_count():
     blobs = [encode(layout, old, new, t, params) for t in (1, 2, 2, 3)]
     assert all(b == blobs[0] for b in blobs)
     d = codec.parse(blobs[0])
-    assert d.n_entries > 2 * codec._PART_BYTES and d.value_tail.size > codec._PART_BYTES  # 3+ parts each
+    assert d.n_entries > 2 * streams.PART_BYTES and d.value_tail.size > streams.PART_BYTES  # 3+ parts each
     w = [old[0].copy()]
     codec.apply(w, blobs[0], layout, current_version=0,
                 current_digest=digest_of(chunk_hashes(layout, old)), threads=2)
