@@ -22,7 +22,7 @@ from fleetrl.daemon.checkpoint import CheckpointStore
 from fleetrl.harness.synthetic import make_task
 
 from .conftest import containers_of, jsonl
-from .tiny_config import E2E_RECIPE, derive
+from .tiny_config import derive
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -31,7 +31,7 @@ def _config(state: Path, cache: Path) -> str:
     return derive(state, {
         "daemon": {"grace_s": "300.0", "checkpoint_interval_s": "1000.0"},
         "logging": {"console": '"none"'},
-        "actors.warm_start.config": {"cache_dir": f'"{cache}"', "recipe": E2E_RECIPE},
+        "actors.warm_start.config": {"cache_dir": f'"{cache}"'},
         "actors.trainer.config": {"groups_per_step": "4", "max_steps": "1000", "checkpoint_every": "1",
                                   "daemon_checkpoint_every": "1", "max_staleness": "1000", "progress": "false",
                                   "lr": "1e-3"},

@@ -11,13 +11,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.toml"
 
-#: The warm-up recipe of the e2e tests, pinned (TOML override of warm_start.recipe) so that
-#: recalibrating DEFAULT_RECIPE does not make every session rebuild the cached model:
-#: 150 steps of 32 examples, prompt loss weight 1 (4.5-5% fresh pass@1, reward variance
-#: in about half the groups of 8).
-E2E_RECIPE = ("{ warmup = { steps = 150, batch_size = 32, lr = 3e-3, warmup_steps = 10, "
-              "prompt_loss_weight = 1.0 } }")
-
 
 def derive(state_dir: Path, overrides: Mapping[str, Mapping[str, str]], text: str | None = None) -> str:
     """``overrides``: section name (as in its ``[header]``) -> key -> TOML literal. A key
