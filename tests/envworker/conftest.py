@@ -5,11 +5,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from fleetrl.actors.model import TinyLlamaSpec, create_tiny_llama, save_byte_tokenizer
 
 HERE = Path(__file__).resolve().parent
+
+
+class Result(msgspec.Struct):
+    """What a fake sandbox's ``exec`` answers (the fields harnesses and the worker read)."""
+
+    exit_code: int | None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    timed_out: bool = False
 
 SPEC = TinyLlamaSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                      max_position_embeddings=1024, initializer_range=0.1)

@@ -23,12 +23,7 @@ from fleetrl.harness.model import ModelUnavailable
 from fleetrl.harness.tasks import Evaluator, Setup, Task
 from fleetrl.sandboxes import SandboxStartError
 
-
-class Result(msgspec.Struct):
-    exit_code: int | None
-    stdout: bytes = b""
-    stderr: bytes = b""
-    timed_out: bool = False
+from .conftest import Result
 
 
 class MemorySandbox:

@@ -29,12 +29,7 @@ from fleetrl.harness.protocol import sandbox_use_of
 from fleetrl.harness.synthetic import make_task, reference_solution, solution_text
 from fleetrl.harness.tasks import Evaluator, Setup, Task
 
-
-class Result(msgspec.Struct):
-    exit_code: int | None
-    stdout: bytes = b""
-    stderr: bytes = b""
-    timed_out: bool = False
+from .conftest import Result
 
 
 class CountingSandbox:

@@ -26,12 +26,7 @@ from fleetrl.daemon.metrics import ActorMetrics, MetricsRegistry
 from fleetrl.harness.builtin import CompletionHarness
 from fleetrl.harness.tasks import Evaluator, Task
 
-
-class Result(msgspec.Struct):
-    exit_code: int | None
-    stdout: bytes = b""
-    stderr: bytes = b""
-    timed_out: bool = False
+from .conftest import Result
 
 
 class Box:

@@ -25,6 +25,8 @@ from fleetrl.daemon import messages as m
 from fleetrl.daemon.control import MountTable, build_app, serve_control
 from fleetrl.daemon.protocol import Tensor
 
+from .test_remote import _Plane
+
 
 def _req(i: int, prompt: list[int], *, max_tokens: int = 8, temperature: float = 1.0, top_p: float = 0.95,
          seed: int | None = None) -> m.GenerateRequest:
@@ -391,25 +393,6 @@ async def test_remote_sampler_batches_what_the_daemon_sends(model_dir):
     assert all(isinstance(g, m.Generation) and g.sampler.sampler_id == sid for g in out.values())
     sizes = [len(p) for p, _ in backend.calls]
     assert sum(sizes) == 12 and len(sizes) < 12 and max(sizes) <= 8
-
-
-class _Plane:
-    """The smallest control plane: only the join endpoint is used."""
-
-    def status(self):
-        return {}
-
-    def metrics_text(self):
-        return b""
-
-    def pause(self):
-        pass
-
-    def resume(self):
-        pass
-
-    def request_shutdown(self, reason):
-        pass
 
 
 async def test_max_batch_and_capacity_bound_the_calls(torch_fp32):

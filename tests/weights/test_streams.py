@@ -14,23 +14,7 @@ from hypothesis import strategies as st
 from fleetrl.actors.weights import codec, streams
 from fleetrl.actors.weights.version import Layout, TensorSpec, chunk_hashes, digest_of
 
-SPECS = [TensorSpec("emb", (61, 13)), TensorSpec("norm", (29,)), TensorSpec("empty", (0, 3)),
-         TensorSpec("w", (9, 7, 5))]
-
-
-def model(rng, specs=SPECS):
-    return [rng.integers(0, 1 << 16, s.numel, dtype=np.uint16) for s in specs]
-
-
-def mutated(rng, arrays, density):
-    out = []
-    for a in arrays:
-        b = a.copy()
-        m = rng.random(a.size) < density
-        b[m] ^= rng.integers(1, 1 << 16, int(m.sum()), dtype=np.uint16)
-        out.append(b)
-    return out
-
+from .test_threads import SPECS, model, mutated
 
 def encode(layout, old, new, params):
     return codec.encode(layout, old, new, run="r", base_version=0,

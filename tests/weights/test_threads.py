@@ -22,8 +22,9 @@ SPECS = [TensorSpec("emb", (61, 13)), TensorSpec("norm", (29,)), TensorSpec("emp
          TensorSpec("w", (9, 7, 5))]
 
 
-def model(rng):
-    return [rng.integers(0, 1 << 16, s.numel, dtype=np.uint16) for s in SPECS]
+def model(rng, specs=SPECS):
+    """Random bf16 bit patterns, one array per spec (test_streams uses it too)."""
+    return [rng.integers(0, 1 << 16, s.numel, dtype=np.uint16) for s in specs]
 
 
 def mutated(rng, arrays, density):
