@@ -181,15 +181,22 @@ async def _nursery(*, task_status=trio.TASK_STATUS_IGNORED):
 async def _member(url, *, task_status=trio.TASK_STATUS_IGNORED):
     """A joined member that keeps heartbeating until cancelled; started() gives its id."""
     async with open_websocket_url(url) as ws:
-        ident = m.SamplerIdentity(sampler_id="x", backend="fake", device_kind="cpu", dtype="float32")
-        await ws.send_message(m.FLEET.encode(m.Join(token=TOKEN, identity=ident)))
-        welcome = m.FLEET.decode(await ws.get_message())
-        await ws.send_message(m.FLEET.encode(m.SamplerStatus(
-            sampler_id=welcome.sampler_id, version=0, digest="d", queue_depth=0, tokens_per_s=0.0)))
-        task_status.started(welcome.sampler_id)
+        sid = await _join(ws)
+        task_status.started(sid)
         while True:
             await trio.sleep(0.2)
-            await ws.send_message(m.FLEET.encode(m.Heartbeat(sampler_id=welcome.sampler_id, sent_at=0.0)))
+            await ws.send_message(m.FLEET.encode(m.Heartbeat(sampler_id=sid, sent_at=0.0)))
+
+
+async def _join(ws) -> str:
+    """Join as a fake sampler on an open WebSocket and report version 0; its sampler id."""
+    ident = m.SamplerIdentity(sampler_id="x", backend="fake", device_kind="cpu", dtype="float32")
+    await ws.send_message(m.FLEET.encode(m.Join(token=TOKEN, identity=ident)))
+    welcome = m.FLEET.decode(await ws.get_message())
+    assert isinstance(welcome, m.Welcome) and welcome.run_id == "run-1", welcome
+    await ws.send_message(m.FLEET.encode(m.SamplerStatus(
+        sampler_id=welcome.sampler_id, version=0, digest="d", queue_depth=0, tokens_per_s=0.0)))
+    return welcome.sampler_id
 
 
 async def test_first_message_must_be_join_and_bad_frames_are_rejected(model_dir):
@@ -230,14 +237,10 @@ async def test_leave_removes_member(model_dir):
         async with trio.open_nursery() as n:
             url, stop = await _serve(n, pool)
             async with open_websocket_url(url) as ws:
-                ident = m.SamplerIdentity(sampler_id="x", backend="fake", device_kind="cpu", dtype="float32")
-                await ws.send_message(m.FLEET.encode(m.Join(token=TOKEN, identity=ident)))
-                welcome = m.FLEET.decode(await ws.get_message())
-                await ws.send_message(m.FLEET.encode(m.SamplerStatus(
-                    sampler_id=welcome.sampler_id, version=0, digest="d", queue_depth=0, tokens_per_s=0.0)))
-                await _wait_for(lambda: welcome.sampler_id in pool.handles)
-                await ws.send_message(m.FLEET.encode(m.Leave(sampler_id=welcome.sampler_id, reason="bye")))
-                await pool.wait_dead(welcome.sampler_id)
+                sid = await _join(ws)
+                await _wait_for(lambda: sid in pool.handles)
+                await ws.send_message(m.FLEET.encode(m.Leave(sampler_id=sid, reason="bye")))
+                await pool.wait_dead(sid)
             stop.set()
 
 
