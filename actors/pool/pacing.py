@@ -128,13 +128,13 @@ class Pacer:
         never behind the trainer. It is after a restart (a pool started at version 0
         learns that a resumed trainer is at N) or when other producers feed the same
         trainer; then the prediction is rebased so that the next attempt trains no
-        earlier than `trainer_version` plus one step per `attempts_per_step` attempts
-        still open here. (Attempts admitted before the rebase keep their prediction.)"""
+        earlier than `trainer_version`. (Attempts admitted before the rebase keep their
+        prediction; attempts still open here may put the next one a step later than
+        predicted, which the trainer's own staleness check catches.)"""
         if trainer_version < self.trainer_version:
             raise PacingError(f"trainer version went back from {self.trainer_version} to {trainer_version}")
         self.trainer_version = trainer_version
-        pending = sum(1 for e in self._open.values() if not e.failed)
-        behind = trainer_version + pending // self.attempts_per_step - self.train_version_of(self._slots)
+        behind = trainer_version - self.train_version_of(self._slots)
         if behind > 0:
             self.start_version += behind
             self.rebased += 1

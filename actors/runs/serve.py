@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -104,7 +105,13 @@ def run_serve(config: Path, state_dir: Path, log_path: Path, *, metrics_path: Pa
               timeout_s: float, stop_at_groups: int | None = None, term_grace_s: float = 120.0,
               poll_s: float = 0.25, cwd: Path | None = None,
               on_step: Callable[[StepSeen], None] | None = None) -> ServeResult:
-    """Run the daemon until it exits (or ``stop_at_groups`` / ``timeout_s``)."""
+    """Run the daemon until it exits (or ``stop_at_groups`` / ``timeout_s``) on a fresh
+    ``state_dir``: the state an earlier run left there (the same ablation arm or bench
+    run, started again) is removed first, so the run starts from step 0 and its metrics
+    are its own (a kept state dir would resume the old run and its steps would be read
+    as this run's)."""
+    if state_dir.exists():
+        shutil.rmtree(state_dir)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     tail = MetricsTail(metrics_path)
     seen: list[StepSeen] = []

@@ -108,7 +108,7 @@ async def test_environment_class_acts_in_the_sandbox(sandbox_factory):
     # stdout and stderr are merged (their interleaving is the engine's)
     assert who["returncode"] == 4 and sorted(who["output"].split()) == sorted(["1000", "/work", "err"])
     assert slow["returncode"] == 137 and "timed out" in slow["exception_info"] and "never" not in slow["output"]
-    assert net["output"].strip().endswith("closed")
+    assert "closed" in net["output"].split()  # the probe's verdict; bash's own error may come after it
     assert submitted["extra"]["submission"] == "hi\n"
     assert left.stdout == b"hi\n"
 

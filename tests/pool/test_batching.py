@@ -110,6 +110,16 @@ def _arrays(g: m.Generation) -> tuple:
             g.versions.to_numpy().tolist(), g.finish_reason)
 
 
+def _same(got: tuple, want: tuple) -> bool:
+    """Equal ids, supports, offsets, versions and finish reason; log-probs equal to float
+    rounding (1e-5). Bit-equality of the log-probs does not hold across runs here: the
+    same decode run again, in another thread or under other load, may sum in another
+    order (CI saw 5e-7 differences)."""
+    exact = all(got[i] == want[i] for i in (0, 2, 4, 5, 6))
+    close = all(len(got[i]) == len(want[i]) and np.allclose(got[i], want[i], rtol=0.0, atol=1e-5) for i in (1, 3))
+    return exact and close
+
+
 def _backend_arrays(g) -> tuple:
     f32 = lambda xs: np.asarray(xs, dtype=np.float32).tolist()  # noqa: E731 - the wire carries float32
     return (list(g.token_ids), f32(g.logprobs), list(g.support_ids), f32(g.support_logprobs),
@@ -166,13 +176,13 @@ async def test_concurrent_requests_share_calls_and_each_gets_its_own_row(torch_f
     assert stats.running == stats.queued == 0
     # every answer is its row of the call it ran in: the call replayed with the batch's
     # seed (the backend's Generation.seed; the stepwise wrapper keeps its runs) gives the
-    # same arrays, bit for bit
+    # same tokens and supports, and the same log-probs to rounding
     by_prompt = {tuple(r.prompt_ids.to_numpy().tolist()): r.request_id for r in reqs}
     for (prompts, params), run in zip(backend.calls, backend.runs):
         replay = torch_fp32.generate(prompts, msgspec.structs.replace(params, seed=run.seed))
         for prompt, gen in zip(prompts, replay):
             rid = by_prompt[tuple(prompt)]
-            assert _arrays(out[rid]) == _backend_arrays(gen), rid
+            assert _same(_arrays(out[rid]), _backend_arrays(gen)), rid
 
 
 async def test_greedy_batched_equals_each_request_alone(torch_fp32):
@@ -184,7 +194,7 @@ async def test_greedy_batched_equals_each_request_alone(torch_fp32):
     assert [len(p) for p, _ in backend.calls] == [8]
     for r in reqs:
         [alone] = torch_fp32.generate([r.prompt_ids.to_numpy().tolist()], backend_params(r.params))
-        assert _arrays(out[r.request_id]) == _backend_arrays(alone), r.request_id
+        assert _same(_arrays(out[r.request_id]), _backend_arrays(alone)), r.request_id
 
 
 async def test_seeded_requests_run_alone_and_get_exactly_their_solo_result(torch_fp32):
@@ -196,7 +206,7 @@ async def test_seeded_requests_run_alone_and_get_exactly_their_solo_result(torch
     assert [len(p) for p, _ in backend.calls] == [1] * 5
     for r in reqs:
         [alone] = torch_fp32.generate([r.prompt_ids.to_numpy().tolist()], backend_params(r.params))
-        assert _arrays(out[r.request_id]) == _backend_arrays(alone)
+        assert _same(_arrays(out[r.request_id]), _backend_arrays(alone))
 
 
 async def test_a_bad_request_fails_alone_and_never_reaches_the_batch(torch_fp32):

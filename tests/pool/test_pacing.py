@@ -244,8 +244,7 @@ def test_a_pacer_behind_a_resumed_trainer_is_rebased():
     assert p.rebased == 1
     assert p.try_admit("b", 0) is None  # would train at >= 7 from version-0 weights
     b = p.try_admit("b", 5)
-    # a is still open: one open attempt is less than a step, so b trains at 7 at the earliest
-    assert b is not None and b.train_version == 7
+    assert b is not None and b.train_version == 7  # the next slot trains at the trainer's version
     assert p.try_admit("c", 5) is None  # the next slot trains at 8: 8 - 5 = 3 > 2
     assert p.try_admit("c", 6).train_version == 8
 

@@ -111,6 +111,9 @@ def _write(tmp_path: Path, **script) -> tuple[Path, Path]:
 
 def test_run_serve_stops_at_the_target_number_of_groups(tmp_path):
     path, state = _write(tmp_path, steps=0, interval_s=0.2, groups_per_step=4)
+    stale = state / "actors" / "trainer" / "metrics.jsonl"  # an earlier run of the same arm
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"step": 99, "groups": 400, "skipped": false}\n')
     res = run_serve(path, state, tmp_path / "serve.log", timeout_s=240, stop_at_groups=12,
                     metrics_path=state / "actors" / "trainer" / "metrics.jsonl")
     assert res.exit_code == 0 and not res.timed_out, res  # SIGTERM: the daemon drained and exited 0
