@@ -64,8 +64,9 @@ class WarmupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Hyper-parameters of the supervised warm-up. Invalid values raise ValueError
     naming the field."""
 
-    steps: int = 400
-    """Optimizer steps (docs/warmup.md has the measured effect of the default)."""
+    steps: int = 800
+    """Optimizer steps (docs/warmup.md has the measured effect of the default: 800 steps
+    reach 29.5% sampled pass@1 on fresh tasks, 400 steps 11%)."""
     batch_size: int = 16
     """Examples (tasks) per step. At equal CPU time, 16 per step learnt faster than 32
     (more, smaller steps; docs/warmup.md)."""

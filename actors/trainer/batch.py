@@ -8,6 +8,11 @@ Generated-token arrays are left-aligned in ``[B, T]`` (``T`` = longest generatio
 Supports are unpacked from CSR into ``[B, T, K]`` (``K`` = largest support in the batch),
 padded with id ``-1`` and log-prob ``-inf`` (the `fleetrl.grpo` convention).
 
+Rows whose prompts are identical (the attempts of one group, usually) share one entry of
+``prompt_ids`` (the distinct prompts, right-padded, first-seen order); ``prefix_index[b]``
+names row ``b``'s entry. `fleetrl.actors.trainer.prefix` uses it to run each distinct
+prompt through the model once per step instead of once per row.
+
 Every segment of a trajectory gets that trajectory's advantage, computed per group
 from the group's rewards by `fleetrl.grpo.group_advantages`. Each row records which
 sampler produced it (``"backend/dtype"`` keys) so the step can report the mismatch KL
@@ -56,6 +61,9 @@ class Batch:
     row_sampler: torch.Tensor  # [B] long index into sampler_keys
     row_trajectory: torch.Tensor  # [B] long index into rewards
     row_group: torch.Tensor  # [B] long index of the group in the input order
+    prompt_ids: torch.Tensor  # [D, P] long: the D distinct prompts, 0-padded on the right
+    prompt_lengths: torch.Tensor  # [D] long, each >= 1
+    prefix_index: torch.Tensor  # [B] long: row b's prompt is prompt_ids[prefix_index[b]]
     sampler_keys: tuple[str, ...]
     rewards: torch.Tensor  # [n_trajectories] float32
     n_groups: int
@@ -137,6 +145,9 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
     row_group: list[int] = []
     keys: dict[str, int] = {}
     rewards: list[float] = []
+    prompt_of: dict[bytes, int] = {}  # prompt ids (int64 bytes) -> index of the distinct prompt
+    distinct: list[np.ndarray] = []
+    prefix_index: list[int] = []
     for gi, group in enumerate(groups):
         if not group.trajectories:
             raise BadBatch(f"group {group.group_id!r} of task {group.task_id!r} has no trajectories")
@@ -167,6 +178,10 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
                 row_sampler.append(keys[key])
                 row_traj.append(ti)
                 row_group.append(gi)
+                pi = prompt_of.setdefault(prompt.tobytes(), len(distinct))
+                if pi == len(distinct):
+                    distinct.append(prompt)
+                prefix_index.append(pi)
     B = len(rows)
     L = max((p.size + t.size for p, t, *_ in rows), default=1)
     T = max((t.size for _, t, *_ in rows), default=1)
@@ -195,6 +210,9 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         col = np.arange(off[-1]) - np.repeat(off[:-1], sizes)
         sup_ids[b, row, col] = sids
         sup_lps[b, row, col] = slps
+    prompt_ids = np.zeros((len(distinct), max((p.size for p in distinct), default=1)), dtype=np.int64)
+    for d, prompt in enumerate(distinct):
+        prompt_ids[d, :prompt.size] = prompt
     return Batch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attn),
@@ -209,6 +227,9 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         row_sampler=torch.tensor(row_sampler, dtype=torch.long),
         row_trajectory=torch.tensor(row_traj, dtype=torch.long),
         row_group=torch.tensor(row_group, dtype=torch.long),
+        prompt_ids=torch.from_numpy(prompt_ids),
+        prompt_lengths=torch.tensor([p.size for p in distinct], dtype=torch.long),
+        prefix_index=torch.tensor(prefix_index, dtype=torch.long),
         sampler_keys=tuple(keys),
         rewards=torch.tensor(rewards, dtype=torch.float32),
         n_groups=len(groups),

@@ -100,6 +100,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     budget is spent; an evaluator then runs its final evaluation while draining)."""
     progress: bool = False
     """Draw a tqdm bar on stderr (steps of ``max_steps``, reward, pass rate)."""
+    share_prompts: bool = True
+    """Compute each distinct prompt of a batch once per step and attend every row that
+    starts with it to its KV cache (exact to float rounding, ~2x faster for GRPO groups);
+    False: forward every full row (the reference path)."""
 
     def __post_init__(self) -> None:
         o = "TrainerConfig"
@@ -135,6 +139,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         for i, name in enumerate(self.announce_to):
             if not isinstance(name, str) or not name:
                 raise ValueError(f"{o}.announce_to[{i}] must be an actor name, got {name!r}")
+        if not isinstance(self.share_prompts, bool):
+            raise ValueError(f"{o}.share_prompts must be true or false, got {self.share_prompts!r}")
         if not isinstance(self.corrections, CorrectionConfig):
             raise ValueError(f"{o}.corrections must be a CorrectionConfig")
 

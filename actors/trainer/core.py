@@ -121,7 +121,7 @@ class Trainer:
         m = train_step(self.model, self.optimizer, batch, corrections=self.cfg.corrections,
                        temperature=self.cfg.temperature, grad_clip=self.cfg.grad_clip,
                        pass_threshold=self.cfg.pass_threshold, step=self.step,
-                       trainer_version=self.version)
+                       trainer_version=self.version, share_prompts=self.cfg.share_prompts)
         cost = batch_cost_usd(groups)
         m = msgspec.structs.replace(m, cost_usd=cost,
                                     usd_per_rollout=cost / m.trajectories if m.trajectories else 0.0)

@@ -1,7 +1,9 @@
 """One GRPO train step on the fp32 master model (pure apart from mutating model and optimizer).
 
-Forward ``input_ids`` through the Hugging Face causal LM, gather the logits at the
-positions that predicted the generated tokens, divide by the sampling temperature,
+Forward the batch through the Hugging Face causal LM to get the logits at the positions
+that predicted the generated tokens (each distinct prompt computed once and shared by
+the rows that start with it, `fleetrl.actors.trainer.prefix`; or, with
+``share_prompts=False``, the plain forward of every full row), divide by the sampling temperature,
 apply `fleetrl.grpo.policy_loss` (support replay, importance weights and masks, score
 centering as configured), backward, clip the global grad norm, AdamW step.
 
@@ -24,6 +26,7 @@ import torch
 from fleetrl.grpo import CorrectionConfig, policy_loss, replay_logprobs
 
 from .batch import Batch
+from .prefix import plain_logits, shared_prompt_logits
 
 __all__ = ["StepMetrics", "build_optimizer", "load_into", "master_bf16", "train_step"]
 
@@ -114,10 +117,14 @@ def _mismatch(logits_BTV: torch.Tensor, batch: Batch) -> tuple[float, dict[str, 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *,
                corrections: CorrectionConfig, temperature: float, grad_clip: float,
-               pass_threshold: float, step: int, trainer_version: int) -> StepMetrics:
+               pass_threshold: float, step: int, trainer_version: int,
+               share_prompts: bool = True) -> StepMetrics:
     """Train ``model`` on ``batch``; returns the step's metrics (``step`` = steps before it).
 
     ``trainer_version`` is the version the batch is trained against (for staleness).
+    ``share_prompts`` computes each distinct prompt once (`shared_prompt_logits`); off,
+    every row is forwarded in full (`plain_logits`). Both give the same logits to float
+    rounding.
     """
     t0 = time.perf_counter()
     device = next(model.parameters()).device
@@ -137,11 +144,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
         return StepMetrics(**base, step=step, skipped=True, skipped_reason="zero advantage",
                            step_s=time.perf_counter() - t0)
     model.train()
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    logits = out.logits
-    V = logits.shape[-1]
-    idx = batch.positions.unsqueeze(-1).expand(-1, -1, V)
-    lg = logits.gather(1, idx).float() / temperature
+    logits_BTV = (shared_prompt_logits if share_prompts else plain_logits)(model, batch)
+    lg = logits_BTV.float() / temperature
     loss, m = policy_loss(lg, batch.tokens, batch.sampler_logprobs, batch.support_ids,
                           batch.support_logprobs, batch.advantages, batch.loss_mask, corrections)
     kl, kl_by, counts = _mismatch(lg.detach(), batch)
