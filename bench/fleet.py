@@ -326,7 +326,8 @@ def workload(n: int, rate_per_s: float, seed: int, max_tokens: int = 256) -> lis
 
 
 async def run_policy(policy: str, samplers: list[tuple], reqs, max_latency_s: float) -> dict:
-    pool = SamplerPool(policy=policy, max_latency_s=max_latency_s)
+    # every simulated request carries the same prompt: affinity off, so the policy alone decides
+    pool = SamplerPool(policy=policy, max_latency_s=max_latency_s, affinity=False)
     for handle, price, capacity in samplers:
         pool.add(handle, handle.identity, price_per_hour=price, capacity=capacity, remote=False)
     latencies: list[float] = []

@@ -210,7 +210,27 @@ def group_main(registers: Iterable[Callable[[Any], None]], argv: Sequence[str] |
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _serve_threads_first(sys.argv[1:] if argv is None else list(argv))
     return _parse_and_run(build_parser(), argv)
+
+
+def _serve_threads_first(argv: Sequence[str]) -> None:
+    """For ``serve``: apply ``[daemon] compute_threads`` of its config before the command
+    groups (which import torch) load (daemon/threads.py)."""
+    if not argv or argv[0] != "serve":
+        return
+    from .config import default_config_path
+    from .threads import apply_compute_threads, compute_threads_of
+
+    path: str | None = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    late = apply_compute_threads(compute_threads_of(path or default_config_path()))
+    if late:
+        _err(f"warning: {late}")
 
 
 def _parse_and_run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:

@@ -51,6 +51,10 @@ class DaemonSection(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     checkpoint_keep: Annotated[int, Meta(ge=1, le=1000)] = 3
     #: deadline for running every checkpoint hook and writing one checkpoint
     checkpoint_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
+    #: intra-op threads of torch/MKL/OpenBLAS in every thread of the daemon (OMP_NUM_THREADS
+    #: and friends, set by `fleetrl serve` before torch loads; daemon/threads.py); unset:
+    #: the libraries' default (one per core) or what the environment says
+    compute_threads: Annotated[int, Meta(ge=1, le=1024)] | None = None
 
 
 class HttpSection(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -53,7 +53,7 @@ from .synthetic_families import (
     TaskFamilySpec,
     draw_task,
 )
-from .tasks import Evaluator, Limits, Setup, Source, Task, reward_from_evaluator
+from .tasks import GROUP_DIR, Evaluator, Limits, Setup, Source, Task, reward_from_evaluator
 
 __all__ = [
     "CHECK_FILE",
@@ -165,11 +165,11 @@ import os, select, time
 SIGKILL = 9  # POSIX; not `import signal`, whose enum set-up doubles the start-up time
 
 
-def solution_module():
+def solution_module(path):
     # solution.py cut at the stop marker; a bare body (first non-blank line
     # indented) is put under the prompt.
     try:
-        with open(SOLUTION, encoding="utf-8", errors="replace") as fh:
+        with open(path, encoding="utf-8", errors="replace") as fh:
             text = fh.read()
     except OSError as err:
         return None, "cannot read %s: %s" % (SOLUTION, type(err).__name__)
@@ -190,7 +190,7 @@ def serve(module, requests, replies):
     try:
         os.setsid()
         try:  # die with the checker: a checker killed from outside must not leave us running
-            import ctypes
+            import ctypes  # already loaded in group mode (protect)
             ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL (Linux)
         except Exception:
             pass
@@ -285,10 +285,10 @@ class Child:
         os.close(self.rep_r)
 
 
-def main():
+def check(module, why):
+    # The verdict lines of one solution (module text, or None and why not).
     end = time.monotonic() + BUDGET_S
     verdicts = ["skipped"] * len(TESTS)
-    module, why = solution_module()
     i = 0
     while module is not None and i < len(TESTS) and time.monotonic() < end:
         child = Child(module)
@@ -309,8 +309,80 @@ def main():
             child.close()
     passed = verdicts.count("pass")
     detail = " ".join("%s:%s" % (x, v) for (x, _), v in zip(TESTS, verdicts))
-    print("synthetic check: %s%s" % (detail, (" (" + why + ")") if why else ""))
-    print("%d/%d" % (passed, len(TESTS)))
+    return "synthetic check: %s%s\n%d/%d\n" % (detail, (" (" + why + ")") if why else "", passed, len(TESTS))
+
+
+def protect():
+    # Group mode: not dumpable, so no solution process can read our memory or
+    # open our stdout through /proc (same user), even one that escaped its group.
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0 (Linux)
+    except Exception:
+        pass
+
+
+def strays(keep):
+    # Live processes of our user that are neither us, our ancestors, PID 1 nor in
+    # `keep` (those that ran before the first solution).
+    uid, me, found = os.getuid(), os.getpid(), []
+    mine, pid = set(), me
+    while pid > 1 and pid not in mine:  # us and our ancestors
+        mine.add(pid)
+        try:
+            with open("/proc/%d/stat" % pid, "rb") as fh:
+                stat = fh.read()
+            pid = int(stat[stat.rfind(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in mine or int(name) in keep or name == "1":
+            continue
+        try:  # the real uid from status: /proc/PID itself is root's when PID is not dumpable
+            with open("/proc/%s/status" % name, "rb") as fh:
+                status = fh.read()
+            with open("/proc/%s/stat" % name, "rb") as fh:
+                stat = fh.read()
+            real_uid = int(status.split(b"\nUid:", 1)[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # gone
+        if real_uid != uid:
+            continue
+        if stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] not in (b"Z", b"X"):
+            found.append(int(name))
+    return set(found)
+
+
+def group(root):
+    # Every attempt directory root/<k>/ in index order: all solutions are read first,
+    # then each is checked in its own forked children as alone; each section is
+    # printed whole after its header. A process of a solution that outlives its
+    # check (escaped its process group) ends the run: the attempts not reported are
+    # then checked alone by the caller, each in a fresh sandbox.
+    protect()
+    names = sorted((n for n in os.listdir(root) if n.isdigit()), key=int)
+    solutions = [solution_module(os.path.join(root, n, SOLUTION)) for n in names]
+    before = strays(set())
+    for name, (module, why) in zip(names, solutions):
+        text = check(module, why)
+        os.write(1, ("@@fleetrl-attempt %s exit=0\n%s" % (name, text)).encode())
+        left = strays(before)
+        for _ in range(20):  # a killed process group takes a moment to be gone
+            if not left:
+                break
+            time.sleep(0.005)
+            left = strays(before)
+        if left:
+            break
+    os.write(1, b"@@fleetrl-attempt end\n")
+
+
+def main():
+    import sys
+    if len(sys.argv) == 3 and sys.argv[1] == "--group":
+        group(sys.argv[2])
+    else:
+        os.write(1, check(*solution_module(SOLUTION)).encode())
 
 
 main()
@@ -385,7 +457,8 @@ def make_task(seed: int, split: Split, index: int, *, check: CheckConfig = DEFAU
         prompt=prompt,
         setup=Setup(files={CHECK_FILE: check_script(drawn, prompt, check)}),
         evaluator=Evaluator(
-            command=f"python3 -I -S {CHECK_FILE}", timeout_s=check.evaluator_timeout_s, reward="fraction"
+            command=f"python3 -I -S {CHECK_FILE}", timeout_s=check.evaluator_timeout_s, reward="fraction",
+            group_command=f"python3 -I -S {CHECK_FILE} --group {GROUP_DIR}",
         ),
         limits=Limits(timeout_s=60.0, max_turns=1),
         metadata=metadata,

@@ -38,6 +38,9 @@ __all__ = [
     "DEFAULT_WORKDIR",
     "EvaluatorOutputError",
     "Evaluator",
+    "GROUP_DIR",
+    "GROUP_END",
+    "GROUP_HEADER",
     "FunctionCall",
     "Limits",
     "LoadReport",
@@ -58,6 +61,7 @@ __all__ = [
     "load_tasks_jsonl",
     "parse_task",
     "reward_from_evaluator",
+    "split_group_output",
     "validate_task",
     "write_atomic",
 ]
@@ -191,11 +195,22 @@ class Evaluator(_Struct, kw_only=True):
     - ``"json"``: the last non-empty stdout line is a JSON object with a numeric
       ``"reward"`` in [0, 1];
     - ``"fraction"``: the last non-empty stdout line is ``passed/total``.
+
+    ``group_command`` (optional) scores several attempts of this task with one run, in
+    one sandbox: attempt ``k``'s files are placed under ``GROUP_DIR/<k>/`` of the
+    workdir (their paths relative to the workdir), the task's setup files as usual, and
+    the command (``sh -c`` in the workdir, ``timeout_s`` per attempt) prints for each
+    attempt a header line ``@@fleetrl-attempt <k> exit=<code>`` followed by exactly what
+    ``command`` would have printed for that attempt alone, with ``<code>`` its exit
+    code, and after the last one the line ``@@fleetrl-attempt end`` (`split_group_output`). It must keep the attempts from affecting one another
+    (the sandbox is reset only around the whole run). An attempt the output does not
+    report is scored alone with ``command``.
     """
 
     command: NonEmptyStr
     timeout_s: PositiveFloat = 60.0
     reward: RewardKind = "exit_code"
+    group_command: NonEmptyStr | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.timeout_s):
@@ -490,6 +505,47 @@ def _last_line(stdout: str) -> str | None:
         if line.strip():
             return line.strip()
     return None
+
+
+GROUP_DIR = ".fleetrl-group"
+"""Where a group evaluation places each attempt's files: ``<workdir>/GROUP_DIR/<k>/``."""
+GROUP_HEADER = "@@fleetrl-attempt"
+GROUP_END = "@@fleetrl-attempt end"
+_GROUP_LINE = re.compile(r"^@@fleetrl-attempt (\d+) exit=(-?\d+)$")
+
+
+def split_group_output(stdout: str, n: int) -> dict[int, tuple[int, str]]:
+    """The sections of a ``group_command``'s stdout: attempt index -> (exit code, what
+    that attempt's own evaluation printed). A section runs from its header line to the
+    next header or to the closing line ``@@fleetrl-attempt end``; text after the last
+    header with no closing line (a run cut short) is no section. Only attempts
+    ``0 .. n-1`` are returned, and an index reported twice is dropped (both copies),
+    so a confused or forged output costs a re-run, never a wrong reward. Pure."""
+    sections: dict[int, tuple[int, str]] = {}
+    seen: dict[int, int] = {}
+    open_: tuple[int, int, list[str]] | None = None
+
+    def close() -> None:
+        if open_ is not None:
+            k, code, lines = open_
+            if 0 <= k < n:
+                sections[k] = (code, "".join(line + "\n" for line in lines))
+
+    for line in stdout.splitlines():
+        if line == GROUP_END:
+            close()
+            open_ = None
+            continue
+        m = _GROUP_LINE.match(line)
+        if m is None:
+            if open_ is not None:
+                open_[2].append(line)
+            continue
+        close()
+        k = int(m.group(1))
+        seen[k] = seen.get(k, 0) + 1
+        open_ = (k, int(m.group(2)), [])
+    return {k: v for k, v in sections.items() if seen[k] == 1}
 
 
 def reward_from_evaluator(task: Task, exit_code: int, stdout: str) -> float:

@@ -7,14 +7,19 @@
   preparing is added back to the harness's budget (``budget``: its cancel scope).
 * `FileRecorder`: the "sandbox" of a ``"files"`` harness whose task has no setup
   commands: it only records what the harness writes.
-* `GroupScorer`: scores the recorded files of one group's attempts with ONE
-  ``Sandbox.exec_many`` in one leased sandbox. Each attempt is one program: files =
-  the task's setup files + the attempt's files, cmd = the task's evaluator, timeout =
-  the evaluator's; the runner resets the sandbox before each program, so an attempt
-  sees nothing of its siblings (docs/sandboxes.md, "Batches"). Rewards come from the
-  same ``tasks.reward_from_evaluator`` as one exec each.
+* `GroupScorer`: scores the recorded files of one group's attempts in one leased
+  sandbox. When the task's evaluator has a ``group_command`` (harness.tasks), ONE run
+  of it scores every attempt (each attempt's files under ``GROUP_DIR/<k>/``; the
+  command isolates the attempts, e.g. the synthetic checker: docs/synthetic-tasks.md);
+  attempts its output does not report are scored as below. Otherwise ONE
+  ``Sandbox.exec_many``: each attempt is one program: files = the task's setup files +
+  the attempt's files, cmd = the task's evaluator, timeout = the evaluator's; the
+  runner resets the sandbox before each program, so an attempt sees nothing of its
+  siblings (docs/sandboxes.md, "Batches"). Rewards come from the same
+  ``tasks.reward_from_evaluator`` as one exec each.
 
-`scoring_spec` is pure (task + files -> `ExecSpec`, or why it cannot be batched).
+`scoring_spec` and `group_scoring_spec` are pure (task + files -> `ExecSpec`, or None
+when they cannot be batched that way).
 """
 
 from __future__ import annotations
@@ -28,11 +33,11 @@ import msgspec
 import trio
 
 from fleetrl.harness.protocol import SetupFailed, prepare_sandbox
-from fleetrl.harness.tasks import EvaluatorOutputError, Task, reward_from_evaluator
+from fleetrl.harness.tasks import GROUP_DIR, EvaluatorOutputError, Task, reward_from_evaluator, split_group_output
 from fleetrl.sandboxes import ExecSpec, Limits, SandboxError
 
 __all__ = ["FileRecorder", "FilesOnlyError", "GroupScorer", "LazySandbox", "Scored", "ScoringFailed",
-           "scoring_spec"]
+           "group_scoring_spec", "scoring_spec"]
 
 
 class FilesOnlyError(RuntimeError):
@@ -72,6 +77,28 @@ def scoring_spec(task: Task, files: Mapping[str, bytes | str]) -> ExecSpec | Non
             return None
         merged[full] = content
     return ExecSpec(cmd=task.evaluator.command, timeout=task.evaluator.timeout_s, workdir=task.workdir,
+                    files=merged)
+
+
+def group_scoring_spec(task: Task, attempts: list[Mapping[str, bytes | str]]) -> ExecSpec | None:
+    """The `ExecSpec` of one run of the task's ``group_command`` over `attempts` (each
+    one's recorded files): the setup files in the workdir, attempt ``k``'s files under
+    ``<workdir>/GROUP_DIR/<k>/`` at their paths relative to the workdir; the timeout is
+    the evaluator's per attempt. None when the task has no group command, or an attempt
+    wrote a file that cannot be placed there (outside the workdir, e.g. /tmp, or a path
+    ``scoring_spec`` refuses): such a group is scored one program per attempt."""
+    command = task.evaluator.group_command
+    if command is None or not attempts:
+        return None
+    wd = posixpath.normpath(task.workdir)
+    merged: dict[str, bytes | str] = {_norm(task, name): content for name, content in task.setup.files.items()}
+    for k, files in enumerate(attempts):
+        for name, content in files.items():
+            full = _norm(task, name)
+            if ".." in name.split("/") or not full.startswith(wd + "/"):
+                return None
+            merged[posixpath.join(wd, GROUP_DIR, str(k), posixpath.relpath(full, wd))] = content
+    return ExecSpec(cmd=command, timeout=task.evaluator.timeout_s * len(attempts), workdir=task.workdir,
                     files=merged)
 
 
@@ -199,6 +226,10 @@ class GroupScorer:
         self._waiting: list[_Entry] = []
         self.batches: list[int] = []
         """Size of each batch run (for metrics and tests)."""
+        self.group_runs = 0
+        """Batches scored by the task's ``group_command`` (for metrics and tests)."""
+        self.group_reported = 0
+        """Attempts those runs reported (the others were scored alone)."""
 
     def join(self) -> None:
         self._active += 1
@@ -245,11 +276,21 @@ class GroupScorer:
         self.batches.append(len(batch))
         out: list[Scored | ScoringFailed | None] = [None] * len(batch)
         together = [i for i, s in enumerate(specs) if s is not None]
+        group = group_scoring_spec(self._task, [batch[i].files for i in together]) if len(together) > 1 else None
         if together:
             async with self._pool.lease(self._task.image, self._limits) as sb:
-                rs = await sb.exec_many([specs[i] for i in together], final=True)
-            for i, r in zip(together, rs):
-                out[i] = _score(self._task, r.exit_code, r.stdout)
+                if group is not None:
+                    (r,) = await sb.exec_many([group], final=True)
+                    self.group_runs += 1
+                    reported = split_group_output((r.stdout or b"").decode(errors="replace"), len(together))
+                    for k, (code, text) in reported.items():
+                        out[together[k]] = _score(self._task, code, text.encode())
+                    self.group_reported += len(reported)
+                    together = [i for k, i in enumerate(together) if k not in reported]
+                if together:
+                    rs = await sb.exec_many([specs[i] for i in together], final=True)
+                    for i, r in zip(together, rs):
+                        out[i] = _score(self._task, r.exit_code, r.stdout)
         for i, s in enumerate(specs):
             if s is None:  # what Sandbox.write_files refuses, in the harness, on the per-attempt path
                 out[i] = ScoringFailed("harness_crash", "the harness wrote a file outside the work dir "

@@ -13,6 +13,11 @@ What the pool guarantees:
 * a request is only ever routed to a live sampler whose weights are new enough
   (`routing.feasible`); when none is, it waits (the trainer's next version or a
   sampler catching up wakes it);
+* prompt affinity (``affinity``, on by default): a request whose prompt token ids
+  equal those of a request still outstanding goes to that request's sampler while it
+  is feasible and has a free slot (`routing.with_affinity`), so a group's attempts
+  share a batch and a batching backend can prefill their prompt once; the memory of a
+  prompt ends with its last outstanding request (`routing.AffinityTable`);
 * a sampler that dies (its connection drops, its backend raises), fails a health check,
   or does not answer a request within ``request_timeout_s`` is taken out; the requests
   it held go back to routing and are served by others, nothing is lost;
@@ -47,7 +52,7 @@ from fleetrl.daemon import messages as m
 from .local import LocalSampler, SamplerHandle, SamplerLost
 from .pacing import Admission, Pacer
 from .registry import Registry
-from .routing import Bounds, policy_named
+from .routing import AffinityTable, Bounds, policy_named, prompt_key, with_affinity
 
 __all__ = ["LocalSamplerConfig", "PacedAttempt", "PoolConfig", "PoolMetrics", "SamplerPool", "pool_client",
            "read_fleet_token", "run"]
@@ -74,6 +79,9 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Settings of the sampler pool actor (``[actors.pool.config]``)."""
 
     policy: Literal["least_loaded", "cost_aware"] = "least_loaded"
+    affinity: bool = True
+    """Prompt affinity: a request goes to the sampler holding others with the same prompt
+    (while that one is feasible and has a free slot), so a group shares a batch."""
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 2
     """Samplers more than this many versions behind the trainer get no requests."""
     max_latency_s: PosFloat = 120.0
@@ -125,9 +133,11 @@ class SamplerPool:
     def __init__(self, *, policy: str = "least_loaded", max_staleness: int = 2,
                  max_latency_s: float = math.inf, request_timeout_s: float = 600.0,
                  max_tries: int = 5, attempts_per_step: int = 64, trainer_version: int = 0,
-                 log: Any = None) -> None:
+                 affinity: bool = True, log: Any = None) -> None:
         self.policy_name = policy
         self._policy = policy_named(policy)
+        self.affinity: AffinityTable | None = AffinityTable() if affinity else None
+        """Prompt -> sampler of its outstanding requests (None: affinity off)."""
         self.max_staleness = max_staleness
         self.max_latency_s = max_latency_s
         self.request_timeout_s = request_timeout_s
@@ -177,6 +187,8 @@ class SamplerPool:
         if handle is None:
             return
         self.registry.mark_dead(sampler_id)
+        if self.affinity is not None:
+            self.affinity.forget_sampler(sampler_id)
         for scope in self._inflight.pop(sampler_id, set()):
             scope.cancel()
         self._dead_events.pop(sampler_id).set()
@@ -277,9 +289,15 @@ class SamplerPool:
         return Bounds(trainer_version=self.trainer_version, max_staleness=self.max_staleness,
                       min_version=request.min_version, max_latency_s=self.max_latency_s)
 
-    async def _route(self, request: m.GenerateRequest) -> str:
+    async def _route(self, request: m.GenerateRequest, key: bytes | None) -> str:
+        """The sampler for `request`: with affinity (`key` given), the one holding other
+        requests with the same prompt if it can take it, else the policy's choice."""
         while True:
-            sid = self._policy(self.registry.views(trio.current_time()), self.bounds(request))
+            views, bounds = self.registry.views(trio.current_time()), self.bounds(request)
+            if key is None or self.affinity is None:
+                sid = self._policy(views, bounds)
+            else:
+                sid = with_affinity(self._policy, views, bounds, self.affinity.sampler_for(key))
             if sid is not None and sid in self.handles:
                 return sid
             await self._wait_change()
@@ -287,10 +305,15 @@ class SamplerPool:
     async def generate(self, request: m.GenerateRequest) -> m.Generation | m.GenerateFailed:
         """Answer `request` (see the module docstring for the guarantees)."""
         problems: list[str] = []
+        key = None
+        if self.affinity is not None:
+            key = prompt_key(request.prompt_ids.dtype, request.prompt_ids.data)
         while True:
-            sid = await self._route(request)
+            sid = await self._route(request, key)
             handle = self.handles[sid]
             self.registry.assign(sid)
+            if key is not None and self.affinity is not None:
+                self.affinity.routed(key, sid)  # no checkpoint since _route: the memory is current
             scope = trio.CancelScope(deadline=trio.current_time() + self.request_timeout_s)
             self._inflight[sid].add(scope)
             t_start: float | None = None
@@ -308,10 +331,16 @@ class SamplerPool:
                     result = await handle.generate(request, started)
             except SamplerLost as exc:
                 lost = str(exc)
+            except BaseException:  # the caller gave up (cancelled): the request is over here
+                self.registry.ended(sid, trio.current_time(), ran=t_start is not None, mark=mark)
+                self._notify()
+                raise
             finally:
                 live = self._inflight.get(sid)
                 if live is not None:
                     live.discard(scope)
+                if key is not None and self.affinity is not None:
+                    self.affinity.ended(key)
             now = trio.current_time()
             if result is None and lost is None:  # our scope was cancelled
                 if sid in self.handles:  # not by mark_dead: the deadline passed
@@ -490,7 +519,7 @@ async def run(cfg: PoolConfig, ctx: Any, *, task_status: Any = trio.TASK_STATUS_
 
     pool = SamplerPool(policy=cfg.policy, max_staleness=cfg.max_staleness, max_latency_s=cfg.max_latency_s,
                        request_timeout_s=cfg.request_timeout_s, max_tries=cfg.max_tries,
-                       attempts_per_step=cfg.attempts_per_step, log=ctx.log)
+                       attempts_per_step=cfg.attempts_per_step, affinity=cfg.affinity, log=ctx.log)
     collector = PoolMetrics(pool, ctx.name)
     ctx.metrics.registry.register(collector)
     reply = ctx.sender(cfg.reply_to) if cfg.reply_to else None

@@ -7,6 +7,13 @@ logits equal a full transformers forward to float rounding. Weights are read thr
 `WeightReader`, which lets the caller keep them in any storage (plain fp32/bf16/fp16
 tensors, or fp8 with scales dequantised for each matmul).
 
+Matmuls: by default each projection is `F.linear` in the activations' dtype. A caller
+may pass `mm`, a second reader giving the projection weights as fp32 tensors holding the
+same (already rounded) values: each projection then multiplies in fp32 and rounds its
+result to the activations' dtype, which is what a bf16/fp16 matmul with fp32
+accumulation computes (GPU tensor cores, oneDNN), at fp32 matmul speed on CPUs that
+have no native bf16 arithmetic.
+
 Layout: a batch is left-padded, so every row's last prompt token sits in the same cache
 column and each decode step writes one new column for the whole batch. A row's
 position is its column minus its padding; padded key columns are masked out.
@@ -21,7 +28,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-__all__ = ["KVCache", "LlamaShape", "WeightReader", "RopeTable", "decoder_forward", "lm_logits", "attention_mask"]
+__all__ = ["KVCache", "LlamaShape", "WeightReader", "RopeTable", "decoder_forward", "lm_logits", "attention_mask",
+           "projection"]
 
 
 class UnsupportedModel(ValueError):
@@ -135,8 +143,10 @@ class KVCache:
 
     def __init__(self, shape: LlamaShape, batch: int, capacity: int, dtype: torch.dtype, device: torch.device):
         size = (batch, shape.num_kv_heads, capacity, shape.head_dim)
-        self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        # Uninitialised: a column is always written (the prefill writes padding columns
+        # too) before any query reads it, since reads stop at `length`.
+        self.keys = [torch.empty(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.values = [torch.empty(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         self.length = 0
         """Columns filled so far (the same for every row)."""
 
@@ -151,7 +161,7 @@ class KVCache:
         new = max(columns, 2 * self.capacity)
 
         def grow(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_zeros((t.shape[0], t.shape[1], new, t.shape[3]))
+            out = t.new_empty((t.shape[0], t.shape[1], new, t.shape[3]))
             out[:, :, : self.length] = t[:, :, : self.length]
             return out
 
@@ -193,6 +203,14 @@ def attention_mask(pads_B: torch.Tensor, start: int, steps: int) -> torch.Tensor
     return ((causal[None] & real_key) | own)[:, None]
 
 
+def projection(x: torch.Tensor, w: WeightReader, mm: WeightReader | None, name: str) -> torch.Tensor:
+    """`x @ W.T` for the weight `name`: in x's dtype, or (with `mm`) multiplied in fp32 by
+    `mm(name)` and rounded back to x's dtype (fp32 accumulation, see the module docstring)."""
+    if mm is None:
+        return F.linear(x, w(name))
+    return F.linear(x.to(torch.float32), mm(name)).to(x.dtype)
+
+
 def decoder_forward(
     w: WeightReader,
     shape: LlamaShape,
@@ -202,10 +220,12 @@ def decoder_forward(
     mask_B1TL: torch.Tensor,
     cache: KVCache,
     dtype: torch.dtype,
+    mm: WeightReader | None = None,
 ) -> torch.Tensor:
     """Run the decoder on `ids_BT` written at cache columns [cache.length, +T).
 
     Returns the final-normed hidden states [B, T, hidden] and advances `cache.length`.
+    With `mm`, projections accumulate in fp32 (see `projection`).
     """
     B, T = ids_BT.shape
     start = cache.length
@@ -218,9 +238,9 @@ def decoder_forward(
     for layer in range(shape.num_layers):
         p = f"model.layers.{layer}."
         a = rms_norm(x, w(p + "input_layernorm.weight"), shape.rms_norm_eps)
-        q = F.linear(a, w(p + "self_attn.q_proj.weight")).view(B, T, h_, d).transpose(1, 2)
-        k = F.linear(a, w(p + "self_attn.k_proj.weight")).view(B, T, kv, d).transpose(1, 2)
-        v = F.linear(a, w(p + "self_attn.v_proj.weight")).view(B, T, kv, d).transpose(1, 2)
+        q = projection(a, w, mm, p + "self_attn.q_proj.weight").view(B, T, h_, d).transpose(1, 2)
+        k = projection(a, w, mm, p + "self_attn.k_proj.weight").view(B, T, kv, d).transpose(1, 2)
+        v = projection(a, w, mm, p + "self_attn.v_proj.weight").view(B, T, kv, d).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         cache.keys[layer][:, :, start:end] = k
@@ -234,17 +254,18 @@ def decoder_forward(
             enable_gqa=kv != h_,
         )
         attn = attn.transpose(1, 2).reshape(B, T, h_ * d)
-        x = x + F.linear(attn, w(p + "self_attn.o_proj.weight"))
+        x = x + projection(attn, w, mm, p + "self_attn.o_proj.weight")
         m = rms_norm(x, w(p + "post_attention_layernorm.weight"), shape.rms_norm_eps)
-        gated = F.silu(F.linear(m, w(p + "mlp.gate_proj.weight"))) * F.linear(m, w(p + "mlp.up_proj.weight"))
-        x = x + F.linear(gated, w(p + "mlp.down_proj.weight"))
+        gated = F.silu(projection(m, w, mm, p + "mlp.gate_proj.weight")) * projection(m, w, mm, p + "mlp.up_proj.weight")
+        x = x + projection(gated, w, mm, p + "mlp.down_proj.weight")
     cache.length = end
     return rms_norm(x, w("model.norm.weight"), shape.rms_norm_eps)
 
 
-def lm_logits(w: WeightReader, shape: LlamaShape, hidden: torch.Tensor) -> torch.Tensor:
-    """Logits over the vocabulary, returned in fp32 (computed in the weights' dtype)."""
-    return F.linear(hidden, w(shape.lm_head_name)).to(torch.float32)
+def lm_logits(w: WeightReader, shape: LlamaShape, hidden: torch.Tensor, mm: WeightReader | None = None) -> torch.Tensor:
+    """Logits over the vocabulary, returned in fp32 (computed in the hidden states' dtype,
+    or with fp32 accumulation and rounded to it when `mm` is given)."""
+    return projection(hidden, w, mm, shape.lm_head_name).to(torch.float32)
 
 
 def dense_reader(weights: Mapping[str, torch.Tensor]) -> WeightReader:

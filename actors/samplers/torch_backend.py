@@ -13,6 +13,20 @@ Precisions:
   configurable) and dequantised to bf16 for each matmul; embeddings, norms and the
   LM head stay bf16, as fp8 inference engines usually keep them.
 
+Matmuls (``matmul``): a bf16/fp16/fp8 sampler multiplies either natively in its compute
+dtype or, with ``"fp32"``, in fp32 from the same rounded operands, rounding each result
+back to the compute dtype: the arithmetic of a bf16 matmul with fp32 accumulation (GPU
+tensor cores, oneDNN), run at fp32 speed. ``"auto"`` (the default) picks ``"fp32"`` on
+CPU, where torch's native bf16/fp16 matmuls are several times slower than fp32 ones on
+processors without bf16 units (measured 4-5x here), and ``"native"`` elsewhere. The
+weights' values, the activations' dtype between matmuls and so the sampler's numerical
+mismatch against the fp32 trainer stay those of the low precision (tests/samplers).
+
+Shared prompts: identical prompts in one batch (a GRPO group's attempts) are prefilled
+once; their rows then copy that key/value cache and sample independently from it
+(``share_prefill``). Only the prefill's batch shape changes, so logits equal an
+unshared prefill to float rounding.
+
 Weight versions: the backend holds an immutable mapping of named tensors and swaps in a
 new mapping (copy on write) when a version arrives. Every decode step takes the mapping
 and version at its start, so an update that arrives from another thread during a step
@@ -95,6 +109,13 @@ class TorchBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """Dequantise each fp8 weight once per version and keep the bf16 result (faster,
     +2 bytes per weight of memory) instead of before every matmul. Either way the
     matmuls see the same bf16 values, so generations are bit-identical."""
+    matmul: Literal["auto", "native", "fp32"] = "auto"
+    """How bf16/fp16/fp8 samplers multiply (module docstring): ``"native"`` in the compute
+    dtype; ``"fp32"`` with fp32 accumulation from the rounded operands (keeps an fp32
+    copy of each projection matrix: +4 bytes per weight); ``"auto"``: fp32 on CPU,
+    native elsewhere. No effect on an fp32 sampler."""
+    share_prefill: bool = True
+    """Prefill identical prompts of one batch once (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +149,10 @@ class TorchBackend(BackendBase):
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"TorchBackendConfig.device is {config.device!r} but CUDA is not available")
         self._compute_dtype = _TORCH_DTYPES[config.dtype]
+        matmul = config.matmul
+        if matmul == "auto":
+            matmul = "fp32" if self._device.type == "cpu" else "native"
+        self._fp32_matmul = matmul == "fp32" and config.dtype != "fp32"
         hf_config = read_llama_config(config.model_dir)
         self.shape = LlamaShape.from_config(hf_config)
         self._expected = self.shape.parameter_shapes()
@@ -137,6 +162,7 @@ class TorchBackend(BackendBase):
             version = WeightVersion(0, files_digest(config.model_dir))
         self._swap = threading.Lock()  # makes (weights, version) change and read as one
         self._weights: dict[str, _Stored] = {}
+        self._mm: dict[str, torch.Tensor] | None = None  # fp32 projection matrices (matmul "fp32")
         self._version = version
         self.load_version(tensors, version)
         if self._device.type == "cuda":
@@ -163,8 +189,9 @@ class TorchBackend(BackendBase):
                 f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
             )
         stored = self._convert(tensors, version)
+        mm = self._matmul_copies(stored)
         with self._swap:
-            self._weights, self._version = stored, version
+            self._weights, self._mm, self._version = stored, mm, version
 
     def apply_update(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
         """Replace the named weights and move to `version` (newer than the current one).
@@ -174,25 +201,31 @@ class TorchBackend(BackendBase):
         """
         self._check_newer(version)
         stored = self._convert(tensors, version)  # the slow part, outside the lock
+        mm_new = self._matmul_copies(stored)
         with self._swap:
             self._check_newer(version)  # another thread may have moved on meanwhile
             new = dict(self._weights)
             new.update(stored)
-            self._weights, self._version = new, version
+            mm = None
+            if mm_new is not None:
+                mm = dict(self._mm or {})
+                mm.update(mm_new)
+            self._weights, self._mm, self._version = new, mm, version
 
     def health(self) -> Health:
         """A one-token forward with the current weights; ok when it ends with finite logits."""
-        weights, version = self._snapshot()
+        weights, mm, version = self._snapshot()
         try:
             with torch.inference_mode():
                 cache = KVCache(self.shape, 1, 1, self._compute_dtype, self._device)
                 ids = torch.zeros((1, 1), dtype=torch.long, device=self._device)
                 pads = torch.zeros(1, dtype=torch.long, device=self._device)
+                read, mm_read = self._reader(weights), None if mm is None else mm.__getitem__
                 hidden = decoder_forward(
-                    self._reader(weights), self.shape, self._rope, ids, torch.zeros_like(ids),
-                    attention_mask(pads, 0, 1), cache, self._compute_dtype,
+                    read, self.shape, self._rope, ids, torch.zeros_like(ids),
+                    attention_mask(pads, 0, 1), cache, self._compute_dtype, mm_read,
                 )
-                logits = lm_logits(self._reader(weights), self.shape, hidden[:, -1])
+                logits = lm_logits(read, self.shape, hidden[:, -1], mm_read)
             finite = bool(torch.isfinite(logits).all())
         except Exception as exc:  # a health check reports failures instead of raising them
             return Health(ok=False, identity=self._identity, version=version,
@@ -202,7 +235,7 @@ class TorchBackend(BackendBase):
 
     def stored_dtypes(self) -> dict[str, str]:
         """How each weight is held, e.g. ``"float8_e4m3fn+scale"`` or ``"bfloat16"``."""
-        weights, _ = self._snapshot()
+        weights, _, _ = self._snapshot()
         return {
             name: f"{str(v.q.dtype).removeprefix('torch.')}+scale" if isinstance(v, Fp8Weight)
             else str(v.dtype).removeprefix("torch.")
@@ -248,10 +281,25 @@ class TorchBackend(BackendBase):
                 f"update to version {version.version} is not newer than the current version {current.version}"
             )
 
-    def _snapshot(self) -> tuple[dict[str, _Stored], WeightVersion]:
-        """The weights and their version, read together (a swap never lands in between)."""
+    @property
+    def fp32_matmul(self) -> bool:
+        """Whether projections multiply in fp32 from the rounded operands (``matmul``)."""
+        return self._fp32_matmul
+
+    def _snapshot(self) -> tuple[dict[str, _Stored], dict[str, torch.Tensor] | None, WeightVersion]:
+        """The weights, their fp32 matmul copies and their version, read together (a swap
+        never lands in between)."""
         with self._swap:
-            return self._weights, self._version
+            return self._weights, self._mm, self._version
+
+    def _matmul_copies(self, stored: Mapping[str, _Stored]) -> dict[str, torch.Tensor] | None:
+        """fp32 copies of the projection matrices of `stored` (their rounded values), or
+        None when this backend multiplies natively."""
+        if not self._fp32_matmul:
+            return None
+        read = self._reader(stored)
+        names = [n for n in stored if n.endswith(_FP8_SUFFIXES) or n == self.shape.lm_head_name]
+        return {n: read(n).to(torch.float32) for n in names}
 
     def _reader(self, weights: Mapping[str, _Stored]) -> WeightReader:
         dtype = self._compute_dtype
@@ -340,6 +388,8 @@ class DecodeRun:
         self._finish: list[FinishReason | None] = [None] * self._n
         self._fresh: list[int] = []  # rows finished since the last take_finished()
         self.steps = 0
+        self.prefill_rows = 0
+        """Rows the prefill computed (distinct prompts with `share_prefill`; set by the first step)."""
 
     @property
     def done(self) -> bool:
@@ -350,25 +400,19 @@ class DecodeRun:
         if self.done:
             raise RuntimeError("DecodeRun.step() called after every prompt finished")
         backend = self._backend
-        weights, version = backend._snapshot()
+        weights, mm, version = backend._snapshot()
         read = backend._reader(weights)
+        mm_read = None if mm is None else mm.__getitem__
         shape, cache, dtype = backend.shape, self._cache, backend._compute_dtype
         with torch.inference_mode():
             if self._next is None:
-                width = self._width
-                pad_id = 0
-                ids = torch.full((self._n, width), pad_id, dtype=torch.long)
-                for i, row in enumerate(self._prompts):
-                    ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-                ids = ids.to(self._device)
-                positions = (torch.arange(width, device=self._device)[None] - self._pads[:, None]).clamp(min=0)
-                mask = attention_mask(self._pads, 0, width)
+                logits = self._prefill(read, mm_read)
             else:
                 ids = self._next[:, None]
                 positions = (cache.length - self._pads)[:, None]
                 mask = attention_mask(self._pads, cache.length, 1)
-            hidden = decoder_forward(read, shape, backend._rope, ids, positions, mask, cache, dtype)
-            logits = lm_logits(read, shape, hidden[:, -1])
+                hidden = decoder_forward(read, shape, backend._rope, ids, positions, mask, cache, dtype, mm_read)
+                logits = lm_logits(read, shape, hidden[:, -1], mm_read)
             if not bool(torch.isfinite(logits).all()):
                 row = int(self._active[(~torch.isfinite(logits)).any(-1).nonzero()[0, 0]])
                 raise NumericalFailure(
@@ -380,6 +424,35 @@ class DecodeRun:
             tokens, token_lps = sample_from_support(support_ids, support_lps, generator=self._generator)
         self.steps += 1
         self._record(tokens, token_lps, support_ids, support_lps, version.version)
+
+    def _prefill(self, read: WeightReader, mm_read: WeightReader | None) -> torch.Tensor:
+        """The first forward: every distinct prompt once (`share_prefill`), then each row
+        gets its prompt's cache and last logits. Returns the logits [n, vocab]."""
+        backend, cache = self._backend, self._cache
+        if backend.config.share_prefill:
+            index: dict[tuple[int, ...], int] = {}
+            owner = [index.setdefault(tuple(row), len(index)) for row in self._prompts]
+            distinct = [list(key) for key in index]
+        else:
+            owner, distinct = list(range(self._n)), self._prompts
+        self.prefill_rows = len(distinct)
+        width = self._width
+        ids = torch.zeros((len(distinct), width), dtype=torch.long)  # pad id 0, masked out
+        for i, row in enumerate(distinct):
+            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        ids = ids.to(self._device)
+        pads = torch.tensor([width - len(r) for r in distinct], dtype=torch.long, device=self._device)
+        positions = (torch.arange(width, device=self._device)[None] - pads[:, None]).clamp(min=0)
+        if len(distinct) < self._n:
+            cache.keep_rows(torch.arange(len(distinct), device=self._device))  # prefill the distinct rows only
+        hidden = decoder_forward(read, backend.shape, backend._rope, ids, positions,
+                                 attention_mask(pads, 0, width), cache, backend._compute_dtype, mm_read)
+        logits = lm_logits(read, backend.shape, hidden[:, -1], mm_read)
+        if len(distinct) < self._n:
+            rows = torch.tensor(owner, dtype=torch.long, device=self._device)
+            cache.keep_rows(rows)  # each row copies its prompt's keys and values
+            logits = logits.index_select(0, rows)
+        return logits
 
     def _record(self, tokens, token_lps, support_ids, support_lps, version: int) -> None:
         self._count += 1

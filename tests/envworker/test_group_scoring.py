@@ -20,7 +20,7 @@ import trio
 
 from fleetrl.actors.envworker.config import EnvWorkerConfig
 from fleetrl.actors.envworker.cursor import TaskCursor
-from fleetrl.actors.envworker.sandboxing import scoring_spec
+from fleetrl.actors.envworker.sandboxing import GroupScorer, group_scoring_spec, scoring_spec
 from fleetrl.actors.envworker.worker import _Worker
 from fleetrl.daemon.messages import RolloutFailed, RolloutGroup, example_generation
 from fleetrl.daemon.metrics import ActorMetrics, MetricsRegistry
@@ -256,6 +256,64 @@ def test_scoring_spec_merges_setup_and_attempt_files_and_refuses_outside_paths()
     assert scoring_spec(TASK, {"/tmp/scratch": "x"}) is not None
 
 
+# -- group commands -----------------------------------------------------------------------
+
+GTASK = msgspec.structs.replace(TASK, evaluator=Evaluator(command="score", reward="fraction", timeout_s=7.0,
+                                                          group_command="gscore"))
+
+
+class GroupSandbox(CountingSandbox):
+    """Runs "gscore" like a group command that reports only the first `pool.report`
+    attempts and then dies without the closing line; "score" programs as before."""
+
+    async def exec_many(self, programs, *, final=False):
+        if programs[0].cmd != "gscore":
+            return await super().exec_many(programs, final=final)
+        await trio.sleep(0)
+        (p,) = programs
+        self.pool.group_specs.append(p)
+        n = len({k.split("/")[3] for k in p.files if k.startswith("/work/.fleetrl-group/")})
+        out = "".join(f"@@fleetrl-attempt {k} exit=0\n"
+                      f"{str(p.files[f'/work/.fleetrl-group/{k}/solution.py']).count('x')}/4\n"
+                      for k in range(min(n, self.pool.report)))
+        return [Result(0, out.encode())]
+
+
+class GroupPool(CountingPool):
+    def __init__(self, report: int) -> None:
+        super().__init__()
+        self.report = report
+        self.group_specs: list = []
+
+    @asynccontextmanager
+    async def lease(self, image, limits):
+        self.leases += 1
+        yield GroupSandbox(self)
+
+
+def test_group_scoring_spec_places_each_attempt_under_its_index():
+    spec = group_scoring_spec(GTASK, [{"/work/solution.py": "x"}, {"solution.py": "xx", "sub/a.txt": "b"}])
+    assert spec.cmd == "gscore" and spec.workdir == "/work" and spec.timeout == 2 * 7.0
+    assert dict(spec.files) == {"/work/given.txt": "setup file", "/work/.fleetrl-group/0/solution.py": "x",
+                                "/work/.fleetrl-group/1/solution.py": "xx", "/work/.fleetrl-group/1/sub/a.txt": "b"}
+    assert group_scoring_spec(TASK, [{"solution.py": "x"}]) is None  # no group command
+    assert group_scoring_spec(GTASK, [{"solution.py": "x"}, {"/tmp/scratch": "x"}]) is None  # cannot be placed
+    assert group_scoring_spec(GTASK, [{"../up": "x"}]) is None
+    assert group_scoring_spec(GTASK, []) is None
+
+
+@pytest.mark.parametrize("report", [8, 5, 0])
+async def test_group_command_scores_the_group_and_what_it_misses_is_scored_alone(report):
+    pool = GroupPool(report)
+    w, recv = worker(SlotSolutions(by_slot=SOLUTIONS), pool, group_size=8, max_concurrent_attempts=8)
+    (group,) = await run_group(w, recv, GTASK)
+    assert group.rewards == tuple(s.count("x") / 4 for s in SOLUTIONS)
+    assert len(pool.group_specs) == 1 and pool.leases == 1
+    # the closing line never came, so the last reported section is not trusted either
+    alone = 8 - max(0, report - 1)
+    assert pool.exec_many == ([alone] if alone else [])
+
+
 # -- real Docker --------------------------------------------------------------------------
 
 HANG = "def f(x):\n    while True:\n        pass\n"
@@ -287,3 +345,48 @@ async def test_group_scoring_equals_per_attempt_scoring_in_docker(tmp_path):
     # siblings unharmed by a wrong, a hanging, and a process-killing solution
     assert outcomes[True] == {0: 1.0, 1: outcomes[True][1], 2: 0.0, 3: 1.0, 4: "evaluator_error", 5: 1.0}
     assert outcomes[True][1] < 1.0
+
+
+ESCAPE = (  # a correct solution that leaves a sleeping process outside its process group
+    "import os, time\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        time.sleep(120)\n"
+    "    os._exit(0)\n"
+)
+
+
+@pytest.mark.docker
+async def test_the_synthetic_group_checker_stops_at_a_stray_process(tmp_path):
+    """One run of the task's group command scores the attempts before and including a
+    solution that leaves a process behind; the rest are scored alone in reset
+    sandboxes, with the rewards a per-attempt scoring gives."""
+    from fleetrl.actors.envworker.worker import sandbox_limits
+    from fleetrl.sandboxes import Ownership, WarmPolicy, open_sandbox_pool
+
+    task = make_task(3, "train", 0)
+    assert task.evaluator.group_command is not None
+    good = solution_text(task, reference_solution(task))
+    sols = [good, "def f(x):\n    return 0\n", ESCAPE + good, good, HANG]
+    cfg = msgspec.convert({"model": {"kind": "local", "model_dir": "unused"}, "sandbox": {"memory_mb": 256}},
+                          EnvWorkerConfig)
+    own = Ownership.for_state_dir(tmp_path, owner="test-group-stray")
+    async with open_sandbox_pool(own, policy=WarmPolicy(min_warm=0, max_warm=1, max_containers=2)) as pool:
+        async with trio.open_nursery() as nursery:
+            scorer = GroupScorer(pool, task, sandbox_limits(task, cfg.sandbox), nursery=nursery, scopes=set())
+            results: list = [None] * len(sols)
+
+            async def one(i: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                task_status.started()
+                results[i] = await scorer.score({"solution.py": sols[i]})  # joins the batch in index order
+
+            for _ in sols:
+                scorer.join()
+            with trio.fail_after(300):
+                async with trio.open_nursery() as inner:
+                    for i in range(len(sols)):
+                        await inner.start(one, i)
+    assert [r.reward for r in results] == [1.0, results[1].reward, 1.0, 1.0, 0.0]
+    assert results[1].reward < 1.0
+    assert scorer.group_runs == 1 and scorer.group_reported == 3  # attempts 3 and 4 were scored alone

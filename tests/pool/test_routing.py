@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fleetrl.actors.pool.routing import (Bounds, SamplerView, cost_aware, expected_latency_s, feasible,
-                                         least_loaded, policy_named)
+                                         least_loaded, policy_named, with_affinity)
 
 views_st = st.lists(
     st.builds(
@@ -108,3 +108,25 @@ def test_unknown_policy_is_named():
     import pytest
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'.*cost_aware, least_loaded"):
         policy_named("fastest")
+
+
+# -- prompt affinity (routing.with_affinity) ------------------------------------------------
+
+@given(views_st, bounds_st, st.sampled_from(["least_loaded", "cost_aware"]),
+       st.none() | st.sampled_from([f"s{i}" for i in range(9)]))
+def test_affinity_keeps_the_invariants_and_otherwise_defers_to_the_policy(views, bounds, name, remembered):
+    policy = policy_named(name)
+    chosen = with_affinity(policy, views, bounds, remembered)
+    ok = feasible(views, bounds)
+    if chosen is None:
+        assert ok == []
+        return
+    v = next(v for v in views if v.sampler_id == chosen)  # never dead, never too stale
+    assert v.alive
+    assert v.version >= bounds.min_version
+    assert bounds.trainer_version - v.version <= bounds.max_staleness
+    takes = [w for w in ok if w.sampler_id == remembered and w.assigned < w.capacity]
+    if takes:  # the remembered sampler can take it: affinity decides
+        assert chosen == remembered
+    else:  # dead, stale, full, unknown or none: exactly the policy's choice
+        assert chosen == policy(views, bounds)

@@ -88,7 +88,7 @@ async def test_local_and_remote_follow_versions_to_the_exact_digest(model_dir):
     # the bf16 local backend holds exactly the published bf16 weights
     held = local_backend[-1]
     name = "model.layers.0.mlp.down_proj.weight"
-    snap, version = held._snapshot()
+    snap, _, version = held._snapshot()
     assert version.digest == pub.digest.hex()
     assert torch.equal(snap[name], weights[name])
     assert remote_backend.weight_version.digest == pub.digest.hex()

@@ -173,9 +173,10 @@ def test_fp8_backend_holds_fp8_projections(model_dir):
     assert set(backend(model_dir, "fp16").stored_dtypes().values()) == {"float16"}
 
 
-def test_inflight_update_between_steps(model_dir):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16 also covers the fp32-accumulation copies
+def test_inflight_update_between_steps(model_dir, dtype):
     """Three steps at v0, then a new LM head (all zeros: uniform logits) at v1."""
-    be = backend(model_dir)
+    be = backend(model_dir, dtype)
     run = be.start(PROMPTS, SamplingParams(max_tokens=10, seed=0))
     for _ in range(3):
         run.step()
