@@ -19,6 +19,12 @@
    capacity 2: how the embedded config ran before batching) vs the batching sampler
    (``capacity=N``, ``max_batch=64``), same process, same backend; requests/s and the
    ratio. ``--only batching`` runs just this part.
+5b. GRPO groups: P prompts, each G times in one batch (a group's attempts, as prompt
+   affinity routes them), through the torch backend in fp32, bf16 and fp8: the plain
+   path (every row prefilled, ``share_prefill=False``; bf16/fp8 matmuls native,
+   ``matmul="native"``) vs the default (identical prompts prefilled once; on CPU the
+   low-precision projections multiplied with fp32 accumulation); tokens/s and the ratio
+   per dtype. ``--only groups`` runs just this part.
 5. Routing: the same workload (Poisson arrivals) through `SamplerPool` with least-loaded
    and with cost-aware routing, a fast dear and a slow cheap sampler; $ per 1k tokens as
    the pool's registry measures it, ratio = cost-aware / least-loaded. The samplers are
@@ -429,6 +435,44 @@ def bench_batching(model_dir: Path, args) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- groups
+
+
+def bench_groups(model_dir: Path, args) -> dict:
+    """A batch of `groups` prompts x `group_size` copies, plain path vs default path."""
+    prompts = [p for p in make_prompts(args.groups, args.prompt_len, seed=4) for _ in range(args.group_size)]
+    params = SamplingParams(max_tokens=args.groups_tokens, temperature=1.0, top_p=TOP_P, seed=0)
+    n_tokens = len(prompts) * args.groups_tokens
+    paths = {"plain": dict(share_prefill=False, matmul="native"), "default": {}}
+    out: dict = {"groups": args.groups, "group_size": args.group_size, "max_tokens": args.groups_tokens,
+                 "prompt_len": args.prompt_len}
+    for dtype in ("fp32", "bf16", "fp8"):
+        backends = {name: TorchBackend(TorchBackendConfig(model_dir=str(model_dir), dtype=dtype, **kw))
+                    for name, kw in paths.items()}
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for name, b in backends.items():
+            b.generate(prompts[:2], params)  # warm-up
+        for _ in range(args.repeats):
+            for name, b in backends.items():  # interleaved, so load drift hits both alike
+                t0 = time.perf_counter()
+                gens = b.generate(prompts, params)
+                times[name].append(time.perf_counter() - t0)
+                assert sum(g.num_tokens for g in gens) <= n_tokens
+        tps = {name: n_tokens / statistics.median(t) for name, t in times.items()}
+        out[dtype] = {"plain_tokens_per_s": tps["plain"], "default_tokens_per_s": tps["default"],
+                      "ratio_default_vs_plain": tps["default"] / tps["plain"]}
+    return out
+
+
+def report_groups(g: dict) -> None:
+    print(f"GRPO groups: {g['groups']} prompts x {g['group_size']} attempts, prompt {g['prompt_len']}, "
+          f"{g['max_tokens']} tokens, torch backend:")
+    for dtype in ("fp32", "bf16", "fp8"):
+        x = g[dtype]
+        print(f"  {dtype:4s} plain {x['plain_tokens_per_s']:8.1f} tokens/s, default {x['default_tokens_per_s']:8.1f} "
+              f"tokens/s: {x['ratio_default_vs_plain']:.2f}x")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -456,26 +500,36 @@ def main() -> None:
     ap.add_argument("--batching-baseline-capacity", type=int, default=2,
                     help="concurrent one-request calls of the baseline sampler")
     ap.add_argument("--max-batch", type=int, default=64, help="the batching sampler's max_batch")
-    ap.add_argument("--only", choices=("all", "batching"), default="all",
-                    help="run every part, or only the batching part")
+    ap.add_argument("--groups", type=int, default=16, help="distinct prompts (groups part)")
+    ap.add_argument("--group-size", type=int, default=8, help="copies of each prompt (groups part)")
+    ap.add_argument("--groups-tokens", type=int, default=24, help="max_tokens per row (groups part)")
+    ap.add_argument("--only", choices=("all", "batching", "groups"), default="all",
+                    help="run every part, or only the batching or the groups part")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = TinyLlamaSpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                          num_kv_heads=args.heads, initializer_range=args.init_std)
     prompts = make_prompts(args.batch, args.prompt_len, seed=0)
     result: dict = {"bench": "fleet", "config": vars(args) | {"top_p": TOP_P}}
-    if args.only == "batching":
+    if args.only in ("batching", "groups"):
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = save_tiny_llama(build_tiny_llama(spec, seed=0), Path(tmp) / "model")
-            say("batching: concurrent requests, one call each vs batched")
-            result["batching"] = bench_batching(model_dir, args)
-        report_batching(result["batching"])
+            if args.only == "batching":
+                say("batching: concurrent requests, one call each vs batched")
+                result["batching"] = bench_batching(model_dir, args)
+                report_batching(result["batching"])
+            else:
+                say("groups: plain path vs shared prefill and fp32 accumulation")
+                result["groups"] = bench_groups(model_dir, args)
+                report_groups(result["groups"])
         print(json.dumps(result))
         return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny_llama(build_tiny_llama(spec, seed=0), Path(tmp) / "model")
         say("batching: concurrent requests, one call each vs batched")
         result["batching"] = bench_batching(model_dir, args)
+        say("groups: plain path vs shared prefill and fp32 accumulation")
+        result["groups"] = bench_groups(model_dir, args)
         hf = load_tiny_llama(model_dir)
         vocab = int(hf.config.vocab_size)
         versions = rl_like_versions(model_dir, args.switches + 1, args.changed_fraction, seed=2)
@@ -542,6 +596,7 @@ def report(r: dict, args) -> None:
               f"latency mean {p['mean_latency_s']:.2f} s max {p['max_latency_s']:.2f} s ({ro['mode']})")
     print(f"routing cost-aware / least-loaded $ per 1k tokens: {ro['cost_ratio_cost_aware_vs_least_loaded']:.3f}")
     report_batching(r["batching"])
+    report_groups(r["groups"])
 
 
 if __name__ == "__main__":

@@ -11,13 +11,19 @@ real Docker sandboxes of one warm pool per mode:
   baseline: ``lazy_sandbox = false, group_scoring = false``: every attempt leases a
             sandbox, prepares it (setup files), the harness writes its file, the
             evaluator runs in it, the pool resets it (about four engine round trips);
-  ours:     the defaults: the harness writes into a recorder; each group is scored with
-            one ``exec_many`` in one leased sandbox (one engine round trip per group).
+  batched:  lazy leases and group scoring, the task's ``group_command`` removed: the
+            harness writes into a recorder; each group is scored with one ``exec_many``
+            in one leased sandbox (one engine round trip per group, a sandbox reset and
+            a checker process per attempt);
+  ours:     the defaults: the same, but the synthetic task's ``group_command`` scores
+            the whole group in one checker process (docs/tasks.md, "Group evaluation").
 
 Each mode runs ``--rounds`` times (alternating; the first round of each also warms its
 pool), and the best round counts. Printed: attempts/s, CPU seconds of this process and
 of dockerd per attempt (when /proc shows dockerd), leases and engine execs, and the
-ratios; checks both modes gave the same rewards. The last line is one JSON object.
+ratios; the CPU seconds the sandbox containers used per attempt (cgroup v1 cpuacct,
+when readable); checks every mode gave the same rewards. The last line is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -93,6 +99,28 @@ class CountingEngine(Engine):
             setattr(self.api, name, counted)
 
 
+CPUACCT = Path("/sys/fs/cgroup/cpuacct/docker")
+
+
+def _container_cpu_ns() -> dict[str, int]:
+    """CPU nanoseconds used so far by each Docker container (cgroup v1), by id."""
+    out: dict[str, int] = {}
+    if CPUACCT.is_dir():
+        for d in CPUACCT.iterdir():
+            try:
+                out[d.name] = int((d / "cpuacct.usage").read_text())
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def _container_cpu_s(before: dict[str, int], after: dict[str, int]) -> float | None:
+    """Container CPU between two readings (containers started in between count from 0)."""
+    if not after:
+        return None
+    return sum(v - before.get(k, 0) for k, v in after.items()) / 1e9
+
+
 def _dockerd_cpu_s() -> float | None:
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -106,8 +134,8 @@ def _dockerd_cpu_s() -> float | None:
     return None
 
 
-async def run_mode(pool, *, fast: bool, groups: int, group_size: int, concurrency: int, first_index: int
-                   ) -> dict:
+async def run_mode(pool, *, fast: bool, group_command: bool, groups: int, group_size: int, concurrency: int,
+                   first_index: int) -> dict:
     cfg = msgspec.convert({"model": {"kind": "local", "model_dir": "unused"}, "group_size": group_size,
                            "max_concurrent_attempts": concurrency, "lazy_sandbox": fast, "group_scoring": fast,
                            "retry": {"max_tries": {"sandbox_error": 1, "evaluator_error": 1}},
@@ -118,13 +146,18 @@ async def run_mode(pool, *, fast: bool, groups: int, group_size: int, concurrenc
     w = _Worker(cfg, ctx, harness=FixedCompletion(), model=NoModel(), pool=pool, out=send, failures_out=send,
                 cursor=TaskCursor())
     tasks = [make_task(0, "train", first_index + i) for i in range(groups)]
+    if not group_command:
+        tasks = [msgspec.structs.replace(t, evaluator=msgspec.structs.replace(t.evaluator, group_command=None))
+                 for t in tasks]
     stats0, counts0 = pool.statistics(), dict(pool.engine.counts)
+    c0 = _container_cpu_ns()
     cpu0, d0, t0 = time.process_time(), _dockerd_cpu_s(), time.perf_counter()
     async with trio.open_nursery() as n:
         for task in tasks:
             n.start_soon(w.group, w.cursor.take(), task, trio.Semaphore(0))
     wall = time.perf_counter() - t0
     cpu, d1 = time.process_time() - cpu0, _dockerd_cpu_s()
+    containers = _container_cpu_s(c0, _container_cpu_ns())
     stats1 = pool.statistics()
     rewards, failed = [], 0
     while True:
@@ -133,16 +166,17 @@ async def run_mode(pool, *, fast: bool, groups: int, group_size: int, concurrenc
         except trio.WouldBlock:
             break
         if isinstance(msg, RolloutGroup):
-            rewards.append(list(msg.rewards))
+            rewards.append((msg.task_id, list(msg.rewards)))
         else:
             failed += 1
     n_att = groups * group_size
     return {"wall_s": wall, "attempts_per_s": n_att / wall, "cpu_s_per_attempt": cpu / n_att,
             "dockerd_cpu_s_per_attempt": None if d0 is None or d1 is None else (d1 - d0) / n_att,
+            "container_cpu_s_per_attempt": None if containers is None else containers / n_att,
             "leases": stats1.leases - stats0.leases,
             "docker_execs": pool.engine.counts["exec_create"] - counts0["exec_create"],
             "file_uploads": pool.engine.counts["put_archive"] - counts0["put_archive"],
-            "rewards": rewards, "failed": failed}
+            "rewards": sorted(rewards), "failed": failed}  # by task: groups end in any order
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -153,23 +187,34 @@ async def main(args: argparse.Namespace) -> dict:
     async with open_sandbox_pool(Ownership.for_state_dir(state, owner="bench-rollouts"), policy=policy,
                                  engine=CountingEngine()) as base_pool, \
             open_sandbox_pool(Ownership.for_state_dir(state, owner="bench-rollouts-fast"), policy=policy,
-                              engine=CountingEngine()) as fast_pool:
+                              engine=CountingEngine()) as fast_pool, \
+            open_sandbox_pool(Ownership.for_state_dir(state, owner="bench-rollouts-batched"), policy=policy,
+                              engine=CountingEngine()) as batched_pool:
         for r in range(args.rounds):
-            for name, pool, fast in (("baseline", base_pool, False), ("ours", fast_pool, True)):
-                res = await run_mode(pool, fast=fast, groups=args.groups, group_size=args.group_size,
-                                     concurrency=args.concurrency, first_index=0)
+            for name, pool, fast, grouped in (("baseline", base_pool, False, False),
+                                              ("batched", batched_pool, True, False), ("ours", fast_pool, True, True)):
+                res = await run_mode(pool, fast=fast, group_command=grouped, groups=args.groups,
+                                     group_size=args.group_size, concurrency=args.concurrency, first_index=0)
                 print(f"round {r + 1} {name:8s}: {res['attempts_per_s']:6.2f} attempts/s  "
                       f"wall {res['wall_s']:6.1f} s  leases {res['leases']:4d}  docker execs {res['docker_execs']:4d}  "
                       f"cpu/attempt {res['cpu_s_per_attempt'] * 1e3:6.1f} ms  dockerd cpu/attempt "
-                      f"{(res['dockerd_cpu_s_per_attempt'] or 0) * 1e3:6.1f} ms", flush=True)
+                      f"{(res['dockerd_cpu_s_per_attempt'] or 0) * 1e3:6.1f} ms  container cpu/attempt "
+                      f"{(res['container_cpu_s_per_attempt'] or 0) * 1e3:6.1f} ms", flush=True)
                 if name not in best or res["wall_s"] < best[name]["wall_s"]:
                     best[name] = res
-    b, o = best["baseline"], best["ours"]
-    same = b["rewards"] == o["rewards"] and b["failed"] == o["failed"] == 0
+    b, bt, o = best["baseline"], best["batched"], best["ours"]
+    same = b["rewards"] == bt["rewards"] == o["rewards"] and b["failed"] == bt["failed"] == o["failed"] == 0
     speedup = o["attempts_per_s"] / b["attempts_per_s"]
+    container_ratio = None
+    if bt["container_cpu_s_per_attempt"] and o["container_cpu_s_per_attempt"]:
+        container_ratio = bt["container_cpu_s_per_attempt"] / o["container_cpu_s_per_attempt"]
     print(f"\n{args.groups * args.group_size} attempts ({args.groups} groups of {args.group_size}), "
           f"concurrency {args.concurrency}, load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
-    print(f"attempts/s: baseline {b['attempts_per_s']:.2f}, ours {o['attempts_per_s']:.2f}: {speedup:.2f}x")
+    print(f"attempts/s: baseline {b['attempts_per_s']:.2f}, batched {bt['attempts_per_s']:.2f}, "
+          f"ours {o['attempts_per_s']:.2f}: {speedup:.2f}x the baseline")
+    if container_ratio is not None:
+        print(f"container CPU per attempt: batched {bt['container_cpu_s_per_attempt'] * 1e3:.1f} ms, ours "
+              f"{o['container_cpu_s_per_attempt'] * 1e3:.1f} ms: {container_ratio:.2f}x less with the group command")
     n = args.groups * args.group_size
     print(f"docker execs per attempt: baseline {b['docker_execs'] / n:.2f}, ours {o['docker_execs'] / n:.2f}; "
           f"file uploads {b['file_uploads']} vs {o['file_uploads']}; leases {b['leases']} vs {o['leases']}")
@@ -177,10 +222,11 @@ async def main(args: argparse.Namespace) -> dict:
         print(f"worker-process CPU per attempt: {b['cpu_s_per_attempt'] * 1e3:.1f} ms vs "
               f"{o['cpu_s_per_attempt'] * 1e3:.1f} ms")
     print(f"same rewards on both paths: {same}")
-    for r in (b, o):
+    for r in (b, bt, o):
         r.pop("rewards")
     return {"bench": "rollouts", "attempts": args.groups * args.group_size, "group_size": args.group_size,
-            "concurrency": args.concurrency, "baseline": b, "ours": o, "speedup": speedup,
+            "concurrency": args.concurrency, "baseline": b, "batched": bt, "ours": o, "speedup": speedup,
+            "container_cpu_ratio_batched_vs_ours": container_ratio,
             "same_rewards": same, "load_before": load0, "load_after": os.getloadavg()[0]}
 
 

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+import trio
 
 from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, save_tiny_llama
 from fleetrl.daemon import messages as m
@@ -74,3 +75,49 @@ class ScriptedBackend:
         if self.mode == "sick":
             return type(h)(ok=False, identity=h.identity, version=h.version, detail="scripted failure")
         return h
+
+
+class TimedDevice:
+    """An in-memory fake device: each request takes `seconds` of (virtual) time, `capacity`
+    at once; it records the requests it answered."""
+
+    def __init__(self, sampler_id: str, *, seconds: float = 5.0, capacity: int = 8) -> None:
+        self.sampler_id = sampler_id
+        self.seconds = seconds
+        self.slots = trio.Semaphore(capacity)
+        self.answered: list[str] = []
+        self.identity = m.SamplerIdentity(sampler_id=sampler_id, backend="fake", device_kind="cpu",
+                                          dtype="bfloat16")
+
+    async def generate(self, request, started):
+        async with self.slots:
+            started()
+            await trio.sleep(self.seconds)
+        n = request.params.max_tokens
+        ids = Tensor.from_numpy(np.arange(n, dtype=np.int64))
+        lps = Tensor.from_numpy(np.zeros(n, np.float32))
+        self.answered.append(request.request_id)
+        return m.Generation(request_id=request.request_id, token_ids=ids, logprobs=lps,
+                            support=m.SupportCSR(ids=ids, logprobs=lps,
+                                                 offsets=Tensor.from_numpy(np.arange(n + 1, dtype=np.int64))),
+                            versions=Tensor.from_numpy(np.zeros(n, np.int64)), sampler=self.identity,
+                            finish_reason="length")
+
+    async def health(self):
+        return True
+
+    async def aclose(self):
+        pass
+
+
+async def serve_all(pool, reqs):
+    """Every request through `pool.generate` at once; request id -> answer."""
+    out = {}
+
+    async def one(r):
+        out[r.request_id] = await pool.generate(r)
+
+    async with trio.open_nursery() as n:
+        for r in reqs:
+            n.start_soon(one, r)
+    return out

@@ -26,6 +26,9 @@ from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.protocol import Tensor
 
+from .conftest import TimedDevice as Device
+from .conftest import serve_all
+
 # -- the pure choice --------------------------------------------------------------------------
 
 B = Bounds(trainer_version=5, max_staleness=1)
@@ -159,16 +162,7 @@ def _group_request(g: int, i: int, *, max_tokens: int = 4) -> m.GenerateRequest:
                              params=m.SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95))
 
 
-async def _serve(pool: SamplerPool, reqs: list[m.GenerateRequest]) -> dict[str, m.Generation | m.GenerateFailed]:
-    out: dict[str, m.Generation | m.GenerateFailed] = {}
-
-    async def one(r):
-        out[r.request_id] = await pool.generate(r)
-
-    async with trio.open_nursery() as n:
-        for r in reqs:
-            n.start_soon(one, r)
-    return out
+_serve = serve_all
 
 
 @pytest.mark.parametrize("affinity", [True, False])
@@ -204,39 +198,6 @@ async def test_each_group_goes_to_one_sampler_and_one_batch(torch_backends, affi
 
 
 # -- the pool with timed in-memory devices (virtual clock) -------------------------------------
-
-
-class Device:
-    """An in-memory fake device: each request takes `seconds` of (virtual) time, `capacity`
-    at once; it records the requests it answered."""
-
-    def __init__(self, sampler_id: str, *, seconds: float = 5.0, capacity: int = 8) -> None:
-        self.sampler_id = sampler_id
-        self.seconds = seconds
-        self.slots = trio.Semaphore(capacity)
-        self.answered: list[str] = []
-        self.identity = m.SamplerIdentity(sampler_id=sampler_id, backend="fake", device_kind="cpu",
-                                          dtype="bfloat16")
-
-    async def generate(self, request, started):
-        async with self.slots:
-            started()
-            await trio.sleep(self.seconds)
-        n = request.params.max_tokens
-        ids = Tensor.from_numpy(np.arange(n, dtype=np.int64))
-        lps = Tensor.from_numpy(np.zeros(n, np.float32))
-        self.answered.append(request.request_id)
-        return m.Generation(request_id=request.request_id, token_ids=ids, logprobs=lps,
-                            support=m.SupportCSR(ids=ids, logprobs=lps,
-                                                 offsets=Tensor.from_numpy(np.arange(n + 1, dtype=np.int64))),
-                            versions=Tensor.from_numpy(np.zeros(n, np.int64)), sampler=self.identity,
-                            finish_reason="length")
-
-    async def health(self):
-        return True
-
-    async def aclose(self):
-        pass
 
 
 def _fleet(ids: str = "abc", *, capacity: int = 8, affinity: bool = True, **kw) -> tuple[SamplerPool, dict]:

@@ -10,6 +10,8 @@ from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
 from fleetrl.daemon import messages as m
 
 from .conftest import ScriptedBackend, request
+from .conftest import TimedDevice as _TimedDevice
+from .conftest import serve_all
 
 
 def _torch(model_dir, dtype="fp32"):
@@ -24,16 +26,7 @@ def _add(pool, sid, backend, *, price=1.0, capacity=1):
     return s
 
 
-async def _serve_all(pool, reqs):
-    out = {}
-
-    async def one(r):
-        out[r.request_id] = await pool.generate(r)
-
-    async with trio.open_nursery() as n:
-        for r in reqs:
-            n.start_soon(one, r)
-    return out
+_serve_all = serve_all
 
 
 async def test_requests_are_spread_and_answered(model_dir):
@@ -160,44 +153,10 @@ async def test_admission_waits_for_the_fleet(model_dir):
     assert admitted[0].train_version == 1
 
 
-class _TimedDevice:
-    """An in-memory fake device: each request takes `seconds` (virtual clock), `capacity` at once."""
-
-    def __init__(self, sampler_id, seconds, capacity):
-        self.sampler_id = sampler_id
-        self.seconds = seconds
-        self.slots = trio.Semaphore(capacity)
-        self.identity = m.SamplerIdentity(sampler_id=sampler_id, backend="fake", device_kind="cpu",
-                                          dtype="bfloat16")
-
-    async def generate(self, request, started):
-        import numpy as np
-
-        from fleetrl.daemon.protocol import Tensor
-
-        async with self.slots:
-            started()
-            await trio.sleep(self.seconds)
-        n = request.params.max_tokens
-        ids = Tensor.from_numpy(np.arange(n, dtype=np.int64))
-        lps = Tensor.from_numpy(np.zeros(n, np.float32))
-        return m.Generation(request_id=request.request_id, token_ids=ids, logprobs=lps,
-                            support=m.SupportCSR(ids=ids, logprobs=lps,
-                                                 offsets=Tensor.from_numpy(np.arange(n + 1, dtype=np.int64))),
-                            versions=Tensor.from_numpy(np.zeros(n, np.int64)), sampler=self.identity,
-                            finish_reason="length")
-
-    async def health(self):
-        return True
-
-    async def aclose(self):
-        pass
-
-
 async def test_each_generation_carries_its_cost(autojump_clock):
     pool = SamplerPool(policy="least_loaded")
-    dear = _TimedDevice("dear", 2.0, 2)
-    free = _TimedDevice("free", 2.0, 1)
+    dear = _TimedDevice("dear", seconds=2.0, capacity=2)
+    free = _TimedDevice("free", seconds=2.0, capacity=1)
     pool.add(dear, dear.identity, price_per_hour=3600.0, capacity=2, remote=False)  # $1 per busy second
     pool.add(free, free.identity, price_per_hour=0.0, capacity=1, remote=False)
     alone = await pool.generate(request(0))
