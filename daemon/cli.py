@@ -219,16 +219,18 @@ def _serve_threads_first(argv: Sequence[str]) -> None:
     groups (which import torch) load (daemon/threads.py)."""
     if not argv or argv[0] != "serve":
         return
+    import contextlib
+    import io
+
     from .config import default_config_path
     from .threads import apply_compute_threads, compute_threads_of
 
-    path: str | None = None
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            path = argv[i + 1]
-        elif arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-    late = apply_compute_threads(compute_threads_of(path or default_config_path()))
+    try:  # the serve parser itself reads --config; the real parse below reports bad arguments
+        with contextlib.redirect_stderr(io.StringIO()):
+            args, _ = build_parser(load_groups=False).parse_known_args(argv)
+    except SystemExit:
+        return
+    late = apply_compute_threads(compute_threads_of(args.config or default_config_path()))
     if late:
         _err(f"warning: {late}")
 

@@ -510,8 +510,10 @@ def _last_line(stdout: str) -> str | None:
 GROUP_DIR = ".fleetrl-group"
 """Where a group evaluation places each attempt's files: ``<workdir>/GROUP_DIR/<k>/``."""
 GROUP_HEADER = "@@fleetrl-attempt"
-GROUP_END = "@@fleetrl-attempt end"
-_GROUP_LINE = re.compile(r"^@@fleetrl-attempt (\d+) exit=(-?\d+)$")
+"""Starts each attempt's section: ``GROUP_HEADER <k> exit=<code>``."""
+GROUP_END = f"{GROUP_HEADER} end"
+"""Closes the last section."""
+_GROUP_LINE = re.compile(rf"^{re.escape(GROUP_HEADER)} (\d+) exit=(-?\d+)$")
 
 
 def split_group_output(stdout: str, n: int) -> dict[int, tuple[int, str]]:

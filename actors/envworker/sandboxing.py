@@ -59,8 +59,14 @@ class ScoringFailed(msgspec.Struct, frozen=True):
     detail: str
 
 
-def _norm(task: Task, path: str) -> str:
-    return posixpath.normpath(posixpath.join(task.workdir, path))
+def _placed(task: Task, path: str, *, tmp: bool) -> str | None:
+    """The absolute path a file written at `path` lands at, or None where it may not be
+    placed: a ``..`` component, or outside the workdir (and /tmp, when `tmp`)."""
+    wd = posixpath.normpath(task.workdir)
+    full = posixpath.normpath(posixpath.join(wd, path))
+    if ".." in path.split("/") or not (full.startswith(wd + "/") or (tmp and full.startswith("/tmp/"))):
+        return None
+    return full
 
 
 def scoring_spec(task: Task, files: Mapping[str, bytes | str]) -> ExecSpec | None:
@@ -69,11 +75,10 @@ def scoring_spec(task: Task, files: Mapping[str, bytes | str]) -> ExecSpec | Non
     then the task's evaluator. None when a path is one ``Sandbox.write_files`` refuses
     (a ``..`` component, or outside the workdir and /tmp): on the per-attempt path the
     harness's ``write_files`` raises then, a harness crash."""
-    wd = posixpath.normpath(task.workdir)
     merged: dict[str, bytes | str] = {}
     for name, content in [*task.setup.files.items(), *files.items()]:
-        full = _norm(task, name)
-        if ".." in name.split("/") or not (full.startswith(wd + "/") or full.startswith("/tmp/")):
+        full = _placed(task, name, tmp=True)
+        if full is None:
             return None
         merged[full] = content
     return ExecSpec(cmd=task.evaluator.command, timeout=task.evaluator.timeout_s, workdir=task.workdir,
@@ -88,14 +93,15 @@ def group_scoring_spec(task: Task, attempts: list[Mapping[str, bytes | str]]) ->
     wrote a file that cannot be placed there (outside the workdir, e.g. /tmp, or a path
     ``scoring_spec`` refuses): such a group is scored one program per attempt."""
     command = task.evaluator.group_command
-    if command is None or not attempts:
+    setup = scoring_spec(task, {})  # the task's setup files, placed
+    if command is None or not attempts or setup is None:
         return None
     wd = posixpath.normpath(task.workdir)
-    merged: dict[str, bytes | str] = {_norm(task, name): content for name, content in task.setup.files.items()}
+    merged = dict(setup.files)
     for k, files in enumerate(attempts):
         for name, content in files.items():
-            full = _norm(task, name)
-            if ".." in name.split("/") or not full.startswith(wd + "/"):
+            full = _placed(task, name, tmp=False)
+            if full is None:
                 return None
             merged[posixpath.join(wd, GROUP_DIR, str(k), posixpath.relpath(full, wd))] = content
     return ExecSpec(cmd=command, timeout=task.evaluator.timeout_s * len(attempts), workdir=task.workdir,

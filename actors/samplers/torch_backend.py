@@ -373,8 +373,16 @@ class DecodeRun:
         self._active = torch.arange(self._n, device=device)
         self._pads = torch.tensor([self._width - len(r) for r in rows], dtype=torch.long, device=device)
         self._budget_t = torch.tensor(budgets, dtype=torch.long, device=device)
+        # The prefill computes one row per distinct prompt (`share_prefill`): `_owner[i]`
+        # is row i's prompt among them, `_firsts` the first row holding each.
+        if backend.config.share_prefill:
+            index: dict[tuple[int, ...], int] = {}
+            self._owner = [index.setdefault(tuple(row), len(index)) for row in rows]
+            self._firsts = [self._owner.index(k) for k in range(len(index))]
+        else:
+            self._owner = self._firsts = list(range(self._n))
         self._cache = KVCache(
-            shape, self._n, self._width + min(max(budgets), _INITIAL_CACHE_COLUMNS),
+            shape, len(self._firsts), self._width + min(max(budgets), _INITIAL_CACHE_COLUMNS),
             backend._compute_dtype, device,
         )
         self._next: torch.Tensor | None = None
@@ -388,8 +396,11 @@ class DecodeRun:
         self._finish: list[FinishReason | None] = [None] * self._n
         self._fresh: list[int] = []  # rows finished since the last take_finished()
         self.steps = 0
-        self.prefill_rows = 0
-        """Rows the prefill computed (distinct prompts with `share_prefill`; set by the first step)."""
+
+    @property
+    def prefill_rows(self) -> int:
+        """Rows the prefill computes (the distinct prompts with `share_prefill`)."""
+        return len(self._firsts)
 
     @property
     def done(self) -> bool:
@@ -426,30 +437,21 @@ class DecodeRun:
         self._record(tokens, token_lps, support_ids, support_lps, version.version)
 
     def _prefill(self, read: WeightReader, mm_read: WeightReader | None) -> torch.Tensor:
-        """The first forward: every distinct prompt once (`share_prefill`), then each row
+        """The first forward: each distinct prompt once (`share_prefill`), then every row
         gets its prompt's cache and last logits. Returns the logits [n, vocab]."""
-        backend, cache = self._backend, self._cache
-        if backend.config.share_prefill:
-            index: dict[tuple[int, ...], int] = {}
-            owner = [index.setdefault(tuple(row), len(index)) for row in self._prompts]
-            distinct = [list(key) for key in index]
-        else:
-            owner, distinct = list(range(self._n)), self._prompts
-        self.prefill_rows = len(distinct)
-        width = self._width
-        ids = torch.zeros((len(distinct), width), dtype=torch.long)  # pad id 0, masked out
-        for i, row in enumerate(distinct):
-            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        backend, cache, width = self._backend, self._cache, self._width
+        ids = torch.zeros((len(self._firsts), width), dtype=torch.long)  # pad id 0, masked out
+        for i, row in enumerate(self._firsts):
+            prompt = self._prompts[row]
+            ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
         ids = ids.to(self._device)
-        pads = torch.tensor([width - len(r) for r in distinct], dtype=torch.long, device=self._device)
+        pads = self._pads[torch.tensor(self._firsts, dtype=torch.long, device=self._device)]
         positions = (torch.arange(width, device=self._device)[None] - pads[:, None]).clamp(min=0)
-        if len(distinct) < self._n:
-            cache.keep_rows(torch.arange(len(distinct), device=self._device))  # prefill the distinct rows only
         hidden = decoder_forward(read, backend.shape, backend._rope, ids, positions,
                                  attention_mask(pads, 0, width), cache, backend._compute_dtype, mm_read)
         logits = lm_logits(read, backend.shape, hidden[:, -1], mm_read)
-        if len(distinct) < self._n:
-            rows = torch.tensor(owner, dtype=torch.long, device=self._device)
+        if len(self._firsts) < self._n:
+            rows = torch.tensor(self._owner, dtype=torch.long, device=self._device)
             cache.keep_rows(rows)  # each row copies its prompt's keys and values
             logits = logits.index_select(0, rows)
         return logits
