@@ -347,13 +347,18 @@ async def test_group_scoring_equals_per_attempt_scoring_in_docker(tmp_path):
     assert outcomes[True][1] < 1.0
 
 
-ESCAPE = (  # a correct solution that leaves a sleeping process outside its process group
+ESCAPE = (  # a correct solution that leaves a sleeping process outside its process group; it
+    # loads only once that process exists (else a quick check could kill the forker first)
     "import os, time\n"
+    "r, w = os.pipe()\n"
     "if os.fork() == 0:\n"
     "    os.setsid()\n"
     "    if os.fork() == 0:\n"
     "        time.sleep(120)\n"
+    "        os._exit(0)\n"
+    "    os.write(w, b'x')\n"
     "    os._exit(0)\n"
+    "os.read(r, 1)\n"
 )
 
 
