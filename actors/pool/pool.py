@@ -311,7 +311,7 @@ class SamplerPool:
         while True:
             sid = await self._route(request, key)
             handle = self.handles[sid]
-            self.registry.assign(sid)
+            record = self.registry.assign(sid)
             if key is not None and self.affinity is not None:
                 self.affinity.routed(key, sid)  # no checkpoint since _route: the memory is current
             scope = trio.CancelScope(deadline=trio.current_time() + self.request_timeout_s)
@@ -322,7 +322,7 @@ class SamplerPool:
             def started() -> None:
                 nonlocal t_start, mark
                 t_start = trio.current_time()
-                mark = self.registry.started(sid, t_start)
+                mark = self.registry.started(sid, t_start, record=record)
 
             result: m.Generation | m.GenerateFailed | None = None
             lost: str | None = None
@@ -332,7 +332,7 @@ class SamplerPool:
             except SamplerLost as exc:
                 lost = str(exc)
             except BaseException:  # the caller gave up (cancelled): the request is over here
-                self.registry.ended(sid, trio.current_time(), ran=t_start is not None, mark=mark)
+                self.registry.ended(sid, trio.current_time(), ran=t_start is not None, mark=mark, record=record)
                 self._notify()
                 raise
             finally:
@@ -354,11 +354,11 @@ class SamplerPool:
             busy_s = self.registry.ended(sid, now, ran=t_start is not None,
                                          tokens=result.token_ids.shape[0] if ok else 0,
                                          latency_s=(now - t_start) if ok and t_start is not None else None,
-                                         failed=not ok, mark=mark)
+                                         failed=not ok, mark=mark, record=record)
             self._notify()
             if ok:
                 self.answered += 1
-                price = self.registry.get(sid).price_per_hour
+                price = record.price_per_hour
                 return msgspec.structs.replace(result, cost_usd=price / 3600.0 * busy_s)
             if isinstance(result, m.GenerateFailed) and not result.retryable:
                 self.failed += 1

@@ -137,12 +137,29 @@ class Registry:
         self.get(sampler_id).last_seen = now
 
     # -- request accounting ---------------------------------------------------------
-    def assign(self, sampler_id: str) -> None:
-        self.get(sampler_id).assigned += 1
-
-    def started(self, sampler_id: str, now: float) -> float:
-        """A request begins running; returns its mark for `ended`."""
+    def assign(self, sampler_id: str) -> SamplerRecord:
+        """A request is assigned to the sampler; returns its registration, to hand to
+        `started` and `ended` as ``record``."""
         rec = self.get(sampler_id)
+        rec.assigned += 1
+        return rec
+
+    def _current(self, sampler_id: str, record: SamplerRecord | None) -> SamplerRecord | None:
+        """The sampler's record, or None when it is gone or when ``record`` (the one a
+        request was assigned under) has since been replaced by a new registration (a
+        restarted sampler under the same id): that request's accounting died with the
+        old record and must not touch the new one."""
+        rec = self._records.get(sampler_id)
+        if rec is None or (record is not None and rec is not record):
+            return None
+        return rec
+
+    def started(self, sampler_id: str, now: float, *, record: SamplerRecord | None = None) -> float:
+        """A request begins running; returns its mark for `ended` (0.0 for a request of
+        a replaced registration, which is not counted)."""
+        rec = self._current(sampler_id, record) if record is not None else self.get(sampler_id)
+        if rec is None:
+            return 0.0
         mark = rec._advance_share(now)
         if rec.running == 0:
             rec._busy_since = now
@@ -150,10 +167,13 @@ class Registry:
         return mark
 
     def ended(self, sampler_id: str, now: float, *, ran: bool, tokens: int = 0,
-              latency_s: float | None = None, failed: bool = False, mark: float | None = None) -> float:
+              latency_s: float | None = None, failed: bool = False, mark: float | None = None,
+              record: SamplerRecord | None = None) -> float:
         """A request assigned to the sampler is over (`ran`: it had been started, and
-        `mark` is what `started` returned). Returns the busy seconds charged to it."""
-        rec = self._records.get(sampler_id)
+        `mark` is what `started` returned; ``record``: what `assign` returned). Returns
+        the busy seconds charged to it (0.0, and nothing counted, when the sampler is
+        gone or was registered again since the request was assigned)."""
+        rec = self._current(sampler_id, record)
         if rec is None:
             return 0.0
         rec.assigned -= 1

@@ -40,6 +40,26 @@ def test_failed_and_unstarted_requests_are_not_measured():
     assert reg.views(5.0)[0].usd_per_token is None
 
 
+def test_a_request_of_a_replaced_registration_leaves_the_new_one_alone():
+    # a local sampler restarted under the same id while an old request was in flight:
+    # the old request's start and end belong to the old record, never to the new one
+    reg = Registry()
+    reg.add(_ident(), price_per_hour=3600.0, capacity=2, remote=False)
+    old = reg.assign("s")
+    mark = reg.started("s", 1.0, record=old)
+    new = reg.add(_ident(), price_per_hour=3600.0, capacity=2, remote=False, now=2.0)
+    assert reg.started("s", 2.5, record=old) == 0.0  # a late start of the old request
+    ticket = reg.assign("s")
+    assert ticket is new and new.assigned == 1
+    assert reg.ended("s", 3.0, ran=True, tokens=7, latency_s=2.0, mark=mark, record=old) == 0.0
+    assert (new.assigned, new.running, new.tokens, new.requests, new.busy_s) == (1, 0, 0, 0, 0.0)
+    m = reg.started("s", 4.0, record=ticket)
+    assert reg.ended("s", 6.0, ran=True, tokens=5, latency_s=2.0, mark=m, record=ticket) == pytest.approx(2.0)
+    assert (new.assigned, new.running, new.tokens, new.requests, new.busy_s) == (0, 0, 5, 1, 2.0)
+    reg.remove("s")
+    assert reg.ended("s", 7.0, ran=False, record=ticket) == 0.0  # gone: nothing to count
+
+
 def test_versions_liveness_and_mismatch():
     reg = Registry()
     reg.add(_ident("a"), price_per_hour=1.0, capacity=1, remote=False, version=3)
