@@ -3,8 +3,8 @@
 and on 600 held-out fresh tasks, scored in Docker sandboxes, the final version's
 rewards beat the warm-up model's by a paired one-sided test at the 5% level.
 
-Everything is the shipped config except the step budget and the evaluation schedule
-(see `_config`); the warm model comes from a cache shared between sessions
+Everything is the shipped config except the step budget and the evaluations (schedule,
+size, fresh split only; see `_config`); the warm model comes from a cache shared between sessions
 (tests/e2e/conftest.py). The evaluator samples the same tasks with the same seed at
 every version, so the two evaluations compare task by task (`EvalRecord.rewards`)."""
 
@@ -24,13 +24,20 @@ from .tiny_config import derive
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 Z_95_ONE_SIDED = 1.6448536269514722
-STEPS = 60
+STEPS = 100
 EVAL_N = 600
-"""Measured on the project machine (2026-11-30, session 4), 40 steps and 400 tasks: with the
-400-step warm model fresh mean reward 0.229 -> 0.277 (z = 2.13, pass@1 13.3% -> 14.0%); with
-the 800-step default 0.412 -> 0.460 (z = 1.70, pass@1 29.0% -> 34.7%). The gain per step is
-small and noisy, so the test runs 60 steps and scores 600 tasks (the z of a fixed gain grows
-with the square root of the task count)."""
+"""Measured on the project machine (2026-11-30). The gain per step is small and varies
+from run to run, so the step budget is what gives the test its margin:
+
+* session 4, 40 steps, 400 tasks: fresh mean reward 0.412 -> 0.460 (z = 1.70);
+* session 5, a 150-step run, 200 tasks, paired z scaled to 600 tasks: +0.057 after 50
+  steps (z ~ 2.6), +0.087 after 100 (z ~ 3.9), +0.081 after 150 (z ~ 3.7);
+* session 6, 60 steps, 400 tasks: 0.412 -> 0.439 (z = 0.94; ~1.2 at 600 tasks): the
+  60-step budget this test had until then would have failed on that run.
+
+So the test runs 100 steps and scores 600 tasks (the z of a fixed gain grows with the
+square root of the task count); only the fresh split is evaluated (the generalisation
+set is reported by the shipped run, not asserted here)."""
 
 
 def paired_z(before: Sequence[float], after: Sequence[float]) -> float:
@@ -65,7 +72,8 @@ def _config(state: Path, cache: Path) -> str:
         "actors.trainer.config": {"max_steps": str(STEPS), "progress": "false"},
         # 600 held-out tasks per split (the shipped report uses 200): three times the tasks cut
         # the variance of the paired difference by 3, so the test has the power to see a real gain
-        "actors.evaluator.config": {"every_versions": "100000", "progress": "false", "n": str(EVAL_N)},
+        "actors.evaluator.config": {"every_versions": "100000", "progress": "false", "n": str(EVAL_N),
+                                    "splits": '["fresh"]'},
     })
 
 
@@ -86,15 +94,14 @@ def test_tiny_run_improves_held_out_rewards(tmp_path, warm_cache, fleetrl_bin, d
     assert {"torch/float32", "torch/bfloat16", "torch/float8_e4m3fn"} <= kinds, kinds
     evals = jsonl(state / "actors" / "evaluator" / "eval.jsonl")
     fresh = [e for e in evals if e["split"] == "fresh"]
-    general = [e for e in evals if e["split"] == "general"]
+    assert all(e["split"] == "fresh" for e in evals)
     start, end = fresh[0], fresh[-1]
     assert start["version"] == 0 and end["version"] == steps[-1]["version"] and end["step"] == STEPS
     assert len(start["rewards"]) == len(end["rewards"]) == start["n"] == end["n"] == EVAL_N
     z = paired_z(start["rewards"], end["rewards"])
     print(f"tiny run: {STEPS} steps in {wall:.0f} s; fresh mean reward {start['mean_reward']:.3f} -> "
           f"{end['mean_reward']:.3f} (paired z = {z:.2f}); fresh pass@1 {start['pass_at_1']:.3f} -> "
-          f"{end['pass_at_1']:.3f}; general pass@1 {general[0]['pass_at_1']:.3f} -> "
-          f"{general[-1]['pass_at_1']:.3f}", file=sys.stderr)
+          f"{end['pass_at_1']:.3f}", file=sys.stderr)
     assert z > Z_95_ONE_SIDED, (start["mean_reward"], end["mean_reward"], z)
     # the run ended itself: report written, no sandbox left
     assert (state / "report" / "index.html").exists()
