@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import random
 import threading
+from contextlib import asynccontextmanager
+from functools import partial
 
 import numpy as np
 import pytest
@@ -121,3 +124,42 @@ async def serve_all(pool, reqs):
         for r in reqs:
             n.start_soon(one, r)
     return out
+
+
+def pool_daemon_config(pool_config: str) -> str:
+    """A daemon config with only the pool actor; ``pool_config`` is the body of its
+    ``[actors.pool.config]`` table (more tables may follow it)."""
+    return f"""
+[daemon]
+grace_s = 5.0
+checkpoint_interval_s = 1000.0
+[http]
+port = 0
+[logging]
+file = false
+[actors.pool]
+factory = "fleetrl.actors.pool:run"
+[actors.pool.config]
+{pool_config}
+"""
+
+
+@asynccontextmanager
+async def running_pool(tmp_path, pool_config: str, *, timeout_s: float = 120.0):
+    """The pool actor under the real supervisor (`pool_daemon_config`): yields
+    ``(pool, supervisor, state, nursery)`` once the pool is up, shuts the daemon down on exit."""
+    from fleetrl.actors.pool import pool_client
+    from fleetrl.daemon.config import load_config_text
+    from fleetrl.daemon.state import StateDir
+    from fleetrl.daemon.supervisor import Supervisor
+
+    cfg = load_config_text(pool_daemon_config(pool_config), source="test.toml")
+    state = StateDir(tmp_path / "state").open()
+    sup = Supervisor(cfg, state, rng=random.Random(0))
+    with state, trio.fail_after(timeout_s):
+        async with trio.open_nursery() as n:
+            await n.start(partial(sup.run, handle_signals=False))
+            try:
+                yield await pool_client("pool"), sup, state, n
+            finally:
+                sup.request_shutdown("test")

@@ -6,9 +6,7 @@ and cancellation."""
 
 from __future__ import annotations
 
-import random
 from collections import Counter
-from functools import partial
 
 import msgspec
 import numpy as np
@@ -27,7 +25,7 @@ from fleetrl.daemon import messages as m
 from fleetrl.daemon.protocol import Tensor
 
 from .conftest import TimedDevice as Device
-from .conftest import serve_all
+from .conftest import running_pool, serve_all
 
 # -- the pure choice --------------------------------------------------------------------------
 
@@ -302,30 +300,5 @@ def test_affinity_is_on_by_default_and_can_be_turned_off():
 
 @pytest.mark.parametrize("setting", [True, False])
 async def test_the_pool_actor_takes_affinity_from_its_config(tmp_path, setting):
-    from fleetrl.actors.pool import pool_client
-    from fleetrl.daemon.config import load_config_text
-    from fleetrl.daemon.state import StateDir
-    from fleetrl.daemon.supervisor import Supervisor
-
-    cfg = load_config_text(f"""
-[daemon]
-grace_s = 5.0
-checkpoint_interval_s = 1000.0
-[http]
-port = 0
-[logging]
-file = false
-[actors.pool]
-factory = "fleetrl.actors.pool:run"
-[actors.pool.config]
-join = false
-affinity = {str(setting).lower()}
-""", source="test.toml")
-    state = StateDir(tmp_path / "state").open()
-    sup = Supervisor(cfg, state, rng=random.Random(0))
-    with state, trio.fail_after(60):
-        async with trio.open_nursery() as n:
-            await n.start(partial(sup.run, handle_signals=False))
-            pool = await pool_client("pool")
-            assert (pool.affinity is not None) is setting
-            sup.request_shutdown("test")
+    async with running_pool(tmp_path, f"join = false\naffinity = {str(setting).lower()}", timeout_s=60) as (pool, *_):
+        assert (pool.affinity is not None) is setting
