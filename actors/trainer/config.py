@@ -15,6 +15,8 @@ import msgspec
 from fleetrl.actors.buffer import BufferConfig
 from fleetrl.grpo import CorrectionConfig
 
+from .schedule import Schedule
+
 __all__ = ["AdvantageConfig", "TrainerConfig"]
 
 PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
@@ -49,7 +51,14 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     model_dir: str
     """Saved Llama directory (config.json + safetensors) holding the starting weights."""
     lr: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 2e-4
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak of ``lr_schedule``)."""
+    lr_schedule: Schedule = "constant"
+    """``constant``, or ``cosine`` / ``linear`` decay from ``lr`` to ``lr * lr_min_ratio``
+    at the last of ``max_steps`` (which they need); `fleetrl.actors.trainer.schedule`."""
+    lr_min_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
+    """The decaying schedules' final rate as a fraction of ``lr``."""
+    lr_warmup_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    """Steps over which the rate ramps linearly up to ``lr`` first (0: none)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW (beta1, beta2), each in [0, 1)."""
     eps: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1e-8
@@ -110,6 +119,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if not isinstance(self.model_dir, str) or not self.model_dir:
             raise ValueError(f"{o}.model_dir must be a non-empty path, got {self.model_dir!r}")
         _num(o, "lr", self.lr, low=0.0, high=1.0, low_open=True)
+        if self.lr_schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"{o}.lr_schedule must be 'constant', 'cosine' or 'linear', got {self.lr_schedule!r}")
+        _num(o, "lr_min_ratio", self.lr_min_ratio, low=0.0, high=1.0)
+        _num(o, "lr_warmup_steps", self.lr_warmup_steps, low=0, high=1_000_000, integer=True)
+        if self.lr_schedule != "constant" and self.max_steps is None:
+            raise ValueError(f"{o}.lr_schedule = {self.lr_schedule!r} needs max_steps (the step budget it decays over)")
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise ValueError(f"{o}.betas must be a (beta1, beta2) pair, got {self.betas!r}")
         for i, b in enumerate(self.betas):

@@ -23,6 +23,7 @@ from fleetrl.daemon.messages import RolloutGroup
 from . import checkpoint as ck
 from .batch import build_batch
 from .config import TrainerConfig
+from .schedule import lr_at
 from .step import StepMetrics, build_optimizer, master_bf16, train_step
 
 __all__ = ["Trainer", "batch_cost_usd"]
@@ -101,6 +102,12 @@ class Trainer:
     def done(self) -> bool:
         return self.cfg.max_steps is not None and self.step >= self.cfg.max_steps
 
+    def lr_now(self) -> float:
+        """The learning rate of the next step (`fleetrl.actors.trainer.schedule`)."""
+        c = self.cfg
+        return lr_at(self.step, lr=c.lr, schedule=c.lr_schedule, max_steps=c.max_steps,
+                     warmup_steps=c.lr_warmup_steps, min_ratio=c.lr_min_ratio)
+
     def take_and_train(self) -> tuple[StepMetrics | None, list[StaleGroup]]:
         """Take a batch from the buffer and train on it, as one unit: if the step fails
         before the weights change, the groups go back into the buffer (nothing lost)."""
@@ -118,12 +125,15 @@ class Trainer:
     def train(self, groups: Sequence[RolloutGroup]) -> StepMetrics:
         """One step on ``groups`` (already taken from the buffer); publish; log; checkpoint."""
         batch = build_batch(groups, self.cfg.advantage)
+        lr = self.lr_now()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         m = train_step(self.model, self.optimizer, batch, corrections=self.cfg.corrections,
                        temperature=self.cfg.temperature, grad_clip=self.cfg.grad_clip,
                        pass_threshold=self.cfg.pass_threshold, step=self.step,
                        trainer_version=self.version, share_prompts=self.cfg.share_prompts)
         cost = batch_cost_usd(groups)
-        m = msgspec.structs.replace(m, cost_usd=cost,
+        m = msgspec.structs.replace(m, lr=lr, cost_usd=cost,
                                     usd_per_rollout=cost / m.trajectories if m.trajectories else 0.0)
         if m.skipped:
             m = msgspec.structs.replace(m, version=self.version)

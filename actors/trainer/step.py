@@ -46,6 +46,8 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     loss: float = 0.0
     grad_norm: float = 0.0
     """Global L2 norm of the gradient before clipping."""
+    lr: float = 0.0
+    """Learning rate of this step (set by the trainer from its schedule)."""
     reward_mean: float = 0.0
     pass_rate: float = 0.0
     """Fraction of trajectories with reward >= pass_threshold."""
