@@ -15,7 +15,7 @@ import msgspec
 from fleetrl.actors.buffer import BufferConfig
 from fleetrl.grpo import CorrectionConfig
 
-from .schedule import Schedule
+from .schedule import SCHEDULES, Schedule
 
 __all__ = ["AdvantageConfig", "TrainerConfig"]
 
@@ -119,8 +119,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if not isinstance(self.model_dir, str) or not self.model_dir:
             raise ValueError(f"{o}.model_dir must be a non-empty path, got {self.model_dir!r}")
         _num(o, "lr", self.lr, low=0.0, high=1.0, low_open=True)
-        if self.lr_schedule not in ("constant", "cosine", "linear"):
-            raise ValueError(f"{o}.lr_schedule must be 'constant', 'cosine' or 'linear', got {self.lr_schedule!r}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"{o}.lr_schedule must be one of {', '.join(map(repr, SCHEDULES))}, "
+                             f"got {self.lr_schedule!r}")
         _num(o, "lr_min_ratio", self.lr_min_ratio, low=0.0, high=1.0)
         _num(o, "lr_warmup_steps", self.lr_warmup_steps, low=0, high=1_000_000, integer=True)
         if self.lr_schedule != "constant" and self.max_steps is None:

@@ -17,11 +17,13 @@ Past ``max_steps`` (a budget raised on resume) the rate stays at the floor.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
-__all__ = ["Schedule", "lr_at"]
+__all__ = ["SCHEDULES", "Schedule", "lr_at"]
 
 Schedule = Literal["constant", "cosine", "linear"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+"""The schedule names, in order."""
 
 
 def lr_at(step: int, *, lr: float, schedule: Schedule = "constant", max_steps: int | None = None,

@@ -52,7 +52,7 @@ def test_config_checks_name_the_field():
     base = dict(model_dir="m", max_steps=10)
     with pytest.raises(ValueError, match=r"TrainerConfig.lr_schedule = 'cosine' needs max_steps"):
         TrainerConfig(model_dir="m", lr_schedule="cosine")
-    with pytest.raises(ValueError, match=r"TrainerConfig.lr_schedule must be 'constant', 'cosine' or 'linear'"):
+    with pytest.raises(ValueError, match=r"TrainerConfig.lr_schedule must be one of 'constant', 'cosine', 'linear', got 'exponential'"):
         TrainerConfig(**base, lr_schedule="exponential")
     with pytest.raises(ValueError, match=r"TrainerConfig.lr_min_ratio must be in \[0.0, 1.0\]"):
         TrainerConfig(**base, lr_min_ratio=1.5)
