@@ -16,12 +16,16 @@ real Docker sandboxes of one warm pool per mode:
             in one leased sandbox (one engine round trip per group, a sandbox reset and
             a checker process per attempt);
   ours:     the defaults: the same, but the synthetic task's ``group_command`` scores
-            the whole group in one checker process (docs/tasks.md, "Group evaluation").
+            the whole group in one checker process (docs/tasks.md, "Group evaluation");
+  shared:   ours, plus ``score_batching = {max_groups = 8}``: the groups' checkers run
+            in batches of up to 8 groups, one lease and one engine exec per batch
+            (docs/envworkers.md, "Scoring several groups at once"; configs/tiny.toml).
 
 Each mode runs ``--rounds`` times (alternating; the first round of each also warms its
 pool), and the best round counts. Printed: attempts/s, CPU seconds of this process and
-of dockerd per attempt (when /proc shows dockerd), leases and engine execs, and the
-ratios; the CPU seconds the sandbox containers used per attempt (cgroup v1 cpuacct,
+of dockerd per attempt (when /proc shows dockerd), the whole machine's busy CPU per
+attempt (/proc/stat: worker, engine, runc and containers together), leases and engine
+execs, and the ratios; the CPU seconds the sandbox containers used per attempt (cgroup v1 cpuacct,
 when readable); checks every mode gave the same rewards. The last line is one JSON
 object.
 """
@@ -134,12 +138,21 @@ def _dockerd_cpu_s() -> float | None:
     return None
 
 
+def _machine_busy_s() -> float:
+    """Busy CPU seconds of the whole machine so far (/proc/stat: all but idle and iowait)."""
+    f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 async def run_mode(pool, *, fast: bool, group_command: bool, groups: int, group_size: int, concurrency: int,
-                   first_index: int) -> dict:
+                   first_index: int, score_batch: int = 1) -> dict:
     cfg = msgspec.convert({"model": {"kind": "local", "model_dir": "unused"}, "group_size": group_size,
                            "max_concurrent_attempts": concurrency, "lazy_sandbox": fast, "group_scoring": fast,
                            "retry": {"max_tries": {"sandbox_error": 1, "evaluator_error": 1}},
-                           "sandbox": {"memory_mb": 256, "cpus": 0.5}}, EnvWorkerConfig)
+                           "sandbox": {"memory_mb": 256, "cpus": 0.5},
+                           "score_batching": {"max_groups": score_batch, "linger_s": 0.25, "slots": 2}},
+                          EnvWorkerConfig)
     ctx = SimpleNamespace(log=structlog.get_logger(), metrics=ActorMetrics(MetricsRegistry(), "bench"),
                           draining=False, name="bench")
     send, recv = trio.open_memory_channel(10_000)
@@ -151,12 +164,12 @@ async def run_mode(pool, *, fast: bool, group_command: bool, groups: int, group_
                  for t in tasks]
     stats0, counts0 = pool.statistics(), dict(pool.engine.counts)
     c0 = _container_cpu_ns()
-    cpu0, d0, t0 = time.process_time(), _dockerd_cpu_s(), time.perf_counter()
+    cpu0, d0, m0, t0 = time.process_time(), _dockerd_cpu_s(), _machine_busy_s(), time.perf_counter()
     async with trio.open_nursery() as n:
         for task in tasks:
             n.start_soon(w.group, w.cursor.take(), task, trio.Semaphore(0))
     wall = time.perf_counter() - t0
-    cpu, d1 = time.process_time() - cpu0, _dockerd_cpu_s()
+    cpu, d1, machine = time.process_time() - cpu0, _dockerd_cpu_s(), _machine_busy_s() - m0
     containers = _container_cpu_s(c0, _container_cpu_ns())
     stats1 = pool.statistics()
     rewards, failed = [], 0
@@ -173,6 +186,7 @@ async def run_mode(pool, *, fast: bool, group_command: bool, groups: int, group_
     return {"wall_s": wall, "attempts_per_s": n_att / wall, "cpu_s_per_attempt": cpu / n_att,
             "dockerd_cpu_s_per_attempt": None if d0 is None or d1 is None else (d1 - d0) / n_att,
             "container_cpu_s_per_attempt": None if containers is None else containers / n_att,
+            "machine_cpu_s_per_attempt": machine / n_att,
             "leases": stats1.leases - stats0.leases,
             "docker_execs": pool.engine.counts["exec_create"] - counts0["exec_create"],
             "file_uploads": pool.engine.counts["put_archive"] - counts0["put_archive"],
@@ -189,21 +203,28 @@ async def main(args: argparse.Namespace) -> dict:
             open_sandbox_pool(Ownership.for_state_dir(state, owner="bench-rollouts-fast"), policy=policy,
                               engine=CountingEngine()) as fast_pool, \
             open_sandbox_pool(Ownership.for_state_dir(state, owner="bench-rollouts-batched"), policy=policy,
-                              engine=CountingEngine()) as batched_pool:
+                              engine=CountingEngine()) as batched_pool, \
+            open_sandbox_pool(Ownership.for_state_dir(state, owner="bench-rollouts-shared"), policy=policy,
+                              engine=CountingEngine()) as shared_pool:
         for r in range(args.rounds):
-            for name, pool, fast, grouped in (("baseline", base_pool, False, False),
-                                              ("batched", batched_pool, True, False), ("ours", fast_pool, True, True)):
+            for name, pool, fast, grouped, shared in (
+                    ("baseline", base_pool, False, False, 1), ("batched", batched_pool, True, False, 1),
+                    ("ours", fast_pool, True, True, 1), ("shared", shared_pool, True, True, 8)):
                 res = await run_mode(pool, fast=fast, group_command=grouped, groups=args.groups,
-                                     group_size=args.group_size, concurrency=args.concurrency, first_index=0)
+                                     group_size=args.group_size, concurrency=args.concurrency, first_index=0,
+                                     score_batch=shared)
                 print(f"round {r + 1} {name:8s}: {res['attempts_per_s']:6.2f} attempts/s  "
                       f"wall {res['wall_s']:6.1f} s  leases {res['leases']:4d}  docker execs {res['docker_execs']:4d}  "
                       f"cpu/attempt {res['cpu_s_per_attempt'] * 1e3:6.1f} ms  dockerd cpu/attempt "
                       f"{(res['dockerd_cpu_s_per_attempt'] or 0) * 1e3:6.1f} ms  container cpu/attempt "
-                      f"{(res['container_cpu_s_per_attempt'] or 0) * 1e3:6.1f} ms", flush=True)
+                      f"{(res['container_cpu_s_per_attempt'] or 0) * 1e3:6.1f} ms  machine cpu/attempt "
+                      f"{res['machine_cpu_s_per_attempt'] * 1e3:6.1f} ms", flush=True)
                 if name not in best or res["wall_s"] < best[name]["wall_s"]:
                     best[name] = res
-    b, bt, o = best["baseline"], best["batched"], best["ours"]
-    same = b["rewards"] == bt["rewards"] == o["rewards"] and b["failed"] == bt["failed"] == o["failed"] == 0
+    b, bt, o, sh = best["baseline"], best["batched"], best["ours"], best["shared"]
+    same = (b["rewards"] == bt["rewards"] == o["rewards"] == sh["rewards"]
+            and b["failed"] == bt["failed"] == o["failed"] == sh["failed"] == 0)
+    shared_ratio = o["machine_cpu_s_per_attempt"] / sh["machine_cpu_s_per_attempt"] if sh["machine_cpu_s_per_attempt"] else None
     speedup = o["attempts_per_s"] / b["attempts_per_s"]
     container_ratio = None
     if bt["container_cpu_s_per_attempt"] and o["container_cpu_s_per_attempt"]:
@@ -221,12 +242,17 @@ async def main(args: argparse.Namespace) -> dict:
     if b["cpu_s_per_attempt"] and o["cpu_s_per_attempt"]:
         print(f"worker-process CPU per attempt: {b['cpu_s_per_attempt'] * 1e3:.1f} ms vs "
               f"{o['cpu_s_per_attempt'] * 1e3:.1f} ms")
-    print(f"same rewards on both paths: {same}")
-    for r in (b, bt, o):
+    if shared_ratio is not None:
+        print(f"machine CPU per attempt: ours {o['machine_cpu_s_per_attempt'] * 1e3:.1f} ms, shared "
+              f"{sh['machine_cpu_s_per_attempt'] * 1e3:.1f} ms: {shared_ratio:.2f}x less with groups sharing "
+              f"execs ({o['docker_execs']} vs {sh['docker_execs']} docker execs)")
+    print(f"same rewards on every path: {same}")
+    for r in (b, bt, o, sh):
         r.pop("rewards")
     return {"bench": "rollouts", "attempts": args.groups * args.group_size, "group_size": args.group_size,
-            "concurrency": args.concurrency, "baseline": b, "batched": bt, "ours": o, "speedup": speedup,
-            "container_cpu_ratio_batched_vs_ours": container_ratio,
+            "concurrency": args.concurrency, "baseline": b, "batched": bt, "ours": o, "shared": sh,
+            "speedup": speedup, "container_cpu_ratio_batched_vs_ours": container_ratio,
+            "machine_cpu_ratio_ours_vs_shared": shared_ratio,
             "same_rewards": same, "load_before": load0, "load_after": os.getloadavg()[0]}
 
 

@@ -12,7 +12,7 @@ import msgspec
 from .policy import RetryPolicy
 
 __all__ = ["EXTERNAL", "EnvWorkerConfig", "HumanEvalTasks", "JsonlTasks", "LocalModel", "PoolModel",
-           "SandboxSettings", "SyntheticTasks"]
+           "SandboxSettings", "ScoreBatching", "SyntheticTasks"]
 
 EXTERNAL = "external"
 """``harness = "external"``: any command run against the endpoint actor (`harness.external`)."""
@@ -99,6 +99,18 @@ class SandboxSettings(_Strict):
     max_containers: PosInt = 64
 
 
+class ScoreBatching(_Strict):
+    """Group scoring of several groups (different tasks) in one lease and one engine exec
+    (`score_batches.ScoreBatcher`, docs/envworkers.md "Scoring several groups at once")."""
+
+    max_groups: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    """Most groups per batch; 1: every group is scored in a lease of its own."""
+    linger_s: Annotated[float, msgspec.Meta(ge=0.0, le=60.0)] = 0.25
+    """How long the oldest waiting group waits for others before its batch runs anyway."""
+    slots: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 2
+    """Batches running at once; groups that finish meanwhile queue (and fill batches)."""
+
+
 # -- the worker ---------------------------------------------------------------------------
 
 class EnvWorkerConfig(_Strict):
@@ -143,6 +155,8 @@ class EnvWorkerConfig(_Strict):
     """A ``"files"`` harness (the completion harness) on a task without setup commands:
     the group's attempts are scored with one ``exec_many`` in one leased sandbox
     (false: one lease and evaluator exec per attempt)."""
+    score_batching: ScoreBatching = ScoreBatching()
+    """Whether and how group scoring shares leases and engine execs across groups."""
 
     def __post_init__(self) -> None:
         if self.harness == EXTERNAL:

@@ -16,7 +16,9 @@
   the attempt's files, cmd = the task's evaluator, timeout = the evaluator's; the
   runner resets the sandbox before each program, so an attempt sees nothing of its
   siblings (docs/sandboxes.md, "Batches"). Rewards come from the same
-  ``tasks.reward_from_evaluator`` as one exec each.
+  ``tasks.reward_from_evaluator`` as one exec each. With the worker's
+  `score_batches.ScoreBatcher` (``score_batching.max_groups > 1``) those programs run
+  as a job batched with other groups' jobs in one lease and one ``exec_many``.
 
 `scoring_spec` and `group_scoring_spec` are pure (task + files -> `ExecSpec`, or None
 when they cannot be batched that way).
@@ -25,8 +27,8 @@ when they cannot be batched that way).
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Mapping
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -35,6 +37,8 @@ import trio
 from fleetrl.harness.protocol import SetupFailed, prepare_sandbox
 from fleetrl.harness.tasks import GROUP_DIR, EvaluatorOutputError, Task, reward_from_evaluator, split_group_output
 from fleetrl.sandboxes import ExecSpec, Limits, SandboxError
+
+from .score_batches import ScoreBatcher
 
 __all__ = ["FileRecorder", "FilesOnlyError", "GroupScorer", "LazySandbox", "Scored", "ScoringFailed",
            "group_scoring_spec", "scoring_spec"]
@@ -222,8 +226,9 @@ class GroupScorer:
     complete by construction."""
 
     def __init__(self, pool: Any, task: Task, limits: Limits, *, nursery: trio.Nursery,
-                 scopes: set[trio.CancelScope]) -> None:
+                 scopes: set[trio.CancelScope], batcher: ScoreBatcher | None = None) -> None:
         self._pool = pool
+        self._batcher = batcher
         self._nursery = nursery
         self._scopes = scopes
         self._task = task
@@ -284,17 +289,12 @@ class GroupScorer:
         together = [i for i, s in enumerate(specs) if s is not None]
         group = group_scoring_spec(self._task, [batch[i].files for i in together]) if len(together) > 1 else None
         if together:
-            async with self._pool.lease(self._task.image, self._limits) as sb:
+            async with self._programs() as run:
                 if group is not None:
-                    (r,) = await sb.exec_many([group], final=True)
-                    self.group_runs += 1
-                    reported = split_group_output((r.stdout or b"").decode(errors="replace"), len(together))
-                    for k, (code, text) in reported.items():
-                        out[together[k]] = _score(self._task, code, text.encode())
-                    self.group_reported += len(reported)
-                    together = [i for k, i in enumerate(together) if k not in reported]
+                    (r,) = await run([group])
+                    together = self._take_group_output(r, together, out)
                 if together:
-                    rs = await sb.exec_many([specs[i] for i in together], final=True)
+                    rs = await run([specs[i] for i in together])
                     for i, r in zip(together, rs):
                         out[i] = _score(self._task, r.exit_code, r.stdout)
         for i, s in enumerate(specs):
@@ -302,3 +302,29 @@ class GroupScorer:
                 out[i] = ScoringFailed("harness_crash", "the harness wrote a file outside the work dir "
                                        f"{self._task.workdir} and /tmp: {sorted(batch[i].files)}")
         return [r for r in out if r is not None]
+
+    @asynccontextmanager
+    async def _programs(self) -> AsyncIterator[Callable[[list[ExecSpec]], Awaitable[list[Any]]]]:
+        """How this group's programs run: in one lease of its own (each call one
+        ``exec_many(final=True)``), or as jobs of the worker's `ScoreBatcher` (batched
+        with other groups' jobs)."""
+        if self._batcher is not None:
+            batcher = self._batcher
+
+            async def shared(specs: list[ExecSpec]) -> list[Any]:
+                return await batcher.exec_many(self._task.image, self._limits, specs)
+            yield shared
+            return
+        async with self._pool.lease(self._task.image, self._limits) as sb:
+            async def own(specs: list[ExecSpec]) -> list[Any]:
+                return await sb.exec_many(specs, final=True)
+            yield own
+
+    def _take_group_output(self, r: Any, together: list[int], out: list[Scored | ScoringFailed | None]) -> list[int]:
+        """Score the attempts the group command's run `r` reported; the others are left."""
+        self.group_runs += 1
+        reported = split_group_output((r.stdout or b"").decode(errors="replace"), len(together))
+        for k, (code, text) in reported.items():
+            out[together[k]] = _score(self._task, code, text.encode())
+        self.group_reported += len(reported)
+        return [i for k, i in enumerate(together) if k not in reported]

@@ -68,6 +68,7 @@ from .group import AttemptTicket, GroupResult, GroupTracker
 from .model import LocalModelClient, PoolModelClient
 from .policy import episode_failure
 from .sandboxing import FileRecorder, GroupScorer, LazySandbox, ScoringFailed
+from .score_batches import ScoreBatcher
 from .sources import open_task_source
 
 __all__ = ["Failed", "group_id_of", "load_harness", "open_model", "run", "sandbox_limits"]
@@ -175,6 +176,10 @@ class _Metrics:
     def group(self, outcome: str) -> None:
         self._m.counter("envworker_groups_total", "Groups that ended, by outcome", {"outcome": outcome}).inc()
 
+    def score_batch(self, groups: int) -> None:
+        self._m.histogram("envworker_score_batch_groups", "Groups scored together in one lease and engine exec",
+                          buckets=(1, 2, 4, 8, 16, 32, 64)).observe(groups)
+
     def reward(self, value: float) -> None:
         self._m.histogram("envworker_reward", "Rewards of scored attempts",
                           buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)).observe(value)
@@ -202,6 +207,10 @@ class _Worker:
         self.skips_zero_variance = isinstance(m, PoolModel) and m.trainer_skips_zero_variance
         self.admit_lock = trio.Lock()
         self.awaiting: dict[str, _Paced] = {}
+        b = cfg.score_batching
+        self.score_batcher = (ScoreBatcher(pool, max_groups=b.max_groups, linger_s=b.linger_s, slots=b.slots,
+                                           on_batch=self.metrics.score_batch)
+                              if b.max_groups > 1 else None)
 
     # -- one attempt ------------------------------------------------------------------------
     def scores_by_group(self, task: Task) -> bool:
@@ -380,7 +389,7 @@ class _Worker:
                         scorer = None
                         if self.scores_by_group(task):
                             scorer = GroupScorer(self.pool, task, sandbox_limits(task, self.cfg.sandbox),
-                                                 nursery=n, scopes=self.scopes)
+                                                 nursery=n, scopes=self.scopes, batcher=self.score_batcher)
                         for ticket in tickets:
                             n.start_soon(self.slot, task, tracker, ticket, scorer)
                 result = tracker.result()
