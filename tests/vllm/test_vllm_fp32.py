@@ -3,7 +3,9 @@
 In fp32 vLLM's logits and the reference's agree to ~1e-6, so the support vLLM reports
 must be the support `fleetrl.grpo.sampler_support` computes from the reference logits,
 position by position (a set may differ only where the nucleus mass sits within 1e-4 of
-top_p: a rounding-level tie that no two implementations can agree on).
+top_p: a rounding-level tie that no two implementations can agree on; the same set may
+be listed in another order only among members whose probabilities tie to rounding, as
+seen on a second CPU model where such a swap appeared in a 180-token support).
 """
 
 from __future__ import annotations
@@ -84,9 +86,17 @@ def test_support_is_fleetrl_support_of_the_same_logits(backend, reference, tempe
             if top_k is not None:
                 assert len(ids) <= top_k
             n = int((ref_ids[t] >= 0).sum())
+            ref_lp_of = dict(zip(ref_ids[t, :n].tolist(), ref_lps[t, :n].double().tolist(), strict=True))
+            if set(ids) == set(ref_lp_of) and ids != ref_ids[t, :n].tolist():
+                # The same support listed in another order: allowed only where members
+                # are tied to rounding (their reference log-probs within LOGPROB_TOL).
+                in_ref = [ref_lp_of[i] for i in ids]
+                assert all(b <= a + LOGPROB_TOL for a, b in zip(in_ref, in_ref[1:])), (
+                    f"token {t}: vLLM lists the support {ids} out of probability order")
+                worst = max(worst, max(abs(lp - ref_lp_of[i]) for i, lp in zip(ids, lps, strict=True)))
+                continue
             if ids != ref_ids[t, :n].tolist():
                 differing += 1
-                assert set(ids) != set(ref_ids[t, :n].tolist()), f"same set, other order at token {t}: {ids}"
                 assert near_nucleus_boundary(logits[t], temperature, top_p, top_k), (
                     f"token {t}: vLLM support {ids} differs from fleetrl's {ref_ids[t, :n].tolist()} "
                     "away from any rounding boundary"
