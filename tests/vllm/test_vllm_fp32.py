@@ -5,7 +5,7 @@ must be the support `fleetrl.grpo.sampler_support` computes from the reference l
 position by position (a set may differ only where the nucleus mass sits within 1e-4 of
 top_p: a rounding-level tie that no two implementations can agree on; the same set may
 be listed in another order only among members whose probabilities tie to rounding, as
-seen on a second CPU model where such a swap appeared in a 180-token support).
+once seen in CI: two tied members of a 180-token support swapped).
 """
 
 from __future__ import annotations
