@@ -66,8 +66,11 @@ class ScoreBatcher:
         self._slots = trio.Semaphore(slots)
         self._queued: dict[Hashable, list[_Job]] = {}
         self._arrived: dict[Hashable, trio.Event] = {}
-        self.batches: list[int] = []
-        """Jobs (groups) in each batch run, in start order (for metrics and tests)."""
+        self.batches_run = 0
+        """Batches started so far (a count, not a list: the batcher lives as long as the
+        daemon; `on_batch` receives each batch's size)."""
+        self.jobs_run = 0
+        """Jobs (groups) those batches carried."""
 
     async def exec_many(self, image: str, limits: Any, specs: Sequence[ExecSpec]) -> list[Any]:
         """Run ``specs`` (one group's programs) in a batch with other groups' jobs of the
@@ -114,7 +117,8 @@ class ScoreBatcher:
 
     async def _run(self, image: str, limits: Any, batch: list[_Job]) -> None:
         """Lease, run every job's programs in one ``exec_many``, hand each job its results."""
-        self.batches.append(len(batch))
+        self.batches_run += 1
+        self.jobs_run += len(batch)
         if self._on_batch is not None:
             self._on_batch(len(batch))
         specs = [s for j in batch for s in j.specs]

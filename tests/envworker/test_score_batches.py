@@ -80,13 +80,14 @@ def own(job: str, n: int = 2) -> list[str]:
 
 async def test_a_full_batch_runs_at_once_and_each_group_gets_its_own_results(autojump_clock):
     pool, out = FakePool(), {}
-    b = ScoreBatcher(pool, max_groups=3, linger_s=10.0, slots=2)
+    sizes: list[int] = []
+    b = ScoreBatcher(pool, max_groups=3, linger_s=10.0, slots=2, on_batch=sizes.append)
     async with trio.open_nursery() as n:
         for i, job in enumerate("abc"):
             n.start_soon(submit, b, job, out, 0.01 * i)
     assert [(t, names) for t, _, _, names in pool.runs] == [(0.02, own("a") + own("b") + own("c"))]
     assert {j: r for j, (r, _) in out.items()} == {j: own(j) for j in "abc"}
-    assert b.batches == [3]
+    assert sizes == [3] and (b.batches_run, b.jobs_run) == (1, 3)
 
 
 async def test_a_lone_group_waits_the_linger_then_runs_alone(autojump_clock):
@@ -186,7 +187,8 @@ async def test_when_the_leader_is_cancelled_the_others_of_its_batch_get_a_sandbo
        delay=st.sampled_from([0.01, 0.2, 1.0]))
 def test_every_group_gets_exactly_its_own_results_in_batches_of_one_key(jobs, max_groups, linger, slots, delay):
     pool, out = FakePool(delay=delay), {}
-    b = ScoreBatcher(pool, max_groups=max_groups, linger_s=linger, slots=slots)
+    sizes: list[int] = []
+    b = ScoreBatcher(pool, max_groups=max_groups, linger_s=linger, slots=slots, on_batch=sizes.append)
 
     async def main():
         async with trio.open_nursery() as n:
@@ -203,7 +205,7 @@ def test_every_group_gets_exactly_its_own_results_in_batches_of_one_key(jobs, ma
         groups = {name.split()[1] for name in names}
         assert 1 <= len(groups) <= max_groups
         assert {jobs[int(g[1:])][2] for g in groups} == {limits}
-    assert sum(b.batches) == len(jobs)
+    assert sum(sizes) == b.jobs_run == len(jobs) and len(sizes) == b.batches_run == len(pool.runs)
 
 
 def test_bad_settings_are_refused_with_the_field_named():
@@ -266,10 +268,11 @@ async def test_groups_scored_in_shared_batches_get_the_rewards_they_get_alone(tm
 
     async with open_sandbox_pool(own_, policy=WarmPolicy(min_warm=0, max_warm=2, max_containers=4)) as pool:
         alone, _ = await score_all(pool, None)
-        batcher = ScoreBatcher(pool, max_groups=4, linger_s=0.5, slots=1)
+        sizes: list[int] = []
+        batcher = ScoreBatcher(pool, max_groups=4, linger_s=0.5, slots=1, on_batch=sizes.append)
         shared, scorers = await score_all(pool, batcher)
     assert shared == alone
-    assert batcher.batches[0] == 4  # the four groups' checkers ran in one engine exec
+    assert sizes[0] == 4  # the four groups' checkers ran in one engine exec
     for g in range(4):
         assert shared[g, 0] == 1.0 and shared[g, 1] < 1.0
     assert shared[1, 2] == 0.0  # the hanging solution, and its batch-mates unharmed
