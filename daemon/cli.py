@@ -154,8 +154,24 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 # -- parser --------------------------------------------------------------------------
+BUILTIN_COMMANDS = frozenset({"serve", "status", "stop", "config"})
+
+
+def groups_needed(argv: Sequence[str], eps: Sequence[EntryPoint]) -> list[EntryPoint]:
+    """The command groups a command line needs: none for a built-in command, only the
+    group named like the command when there is one (groups import torch and more: tens of
+    seconds on a small machine), every group otherwise (``--help``, no command, or a
+    command that a group registers under another name)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command in BUILTIN_COMMANDS:
+        return []
+    named = [ep for ep in eps if ep.name == command]
+    return named or list(eps)
+
+
 def _load_groups(sub: Any, eps: Iterable[EntryPoint] | None = None) -> None:
-    """Let each ``fleetrl.commands`` entry point add its sub-command group."""
+    """Let each ``fleetrl.commands`` entry point in ``eps`` (default: all) add its
+    sub-command group."""
     for ep in entry_points(group=ENTRY_POINT_GROUP) if eps is None else eps:
         try:
             register = ep.load()
@@ -165,7 +181,9 @@ def _load_groups(sub: Any, eps: Iterable[EntryPoint] | None = None) -> None:
                  f"{type(exc).__name__}: {exc}")
 
 
-def build_parser(*, load_groups: bool = True) -> argparse.ArgumentParser:
+def build_parser(*, load_groups: bool = True, groups: Iterable[EntryPoint] | None = None) -> argparse.ArgumentParser:
+    """The ``fleetrl`` parser: the built-in commands, then the command groups ``groups``
+    (default: every installed one) unless ``load_groups`` is false."""
     parser = argparse.ArgumentParser(prog="fleetrl", description=(
         "fleetrl: reinforcement-learning service. `fleetrl serve` runs the daemon."))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -195,7 +213,7 @@ def build_parser(*, load_groups: bool = True) -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_config_check)
 
     if load_groups:
-        _load_groups(sub)
+        _load_groups(sub, groups)
     return parser
 
 
@@ -210,8 +228,10 @@ def group_main(registers: Iterable[Callable[[Any], None]], argv: Sequence[str] |
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _serve_threads_first(sys.argv[1:] if argv is None else list(argv))
-    return _parse_and_run(build_parser(), argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    _serve_threads_first(args)
+    groups = groups_needed(args, list(entry_points(group=ENTRY_POINT_GROUP)))
+    return _parse_and_run(build_parser(groups=groups), args)
 
 
 def _serve_threads_first(argv: Sequence[str]) -> None:

@@ -58,6 +58,22 @@ def test_a_broken_command_group_does_not_break_the_others(capsys, monkeypatch, t
     assert parser.parse_args(["config", "check", "x.toml"]).file == "x.toml"
 
 
+def test_a_command_loads_only_the_group_named_like_it(capsys, monkeypatch, test_actors):
+    eps = [EntryPoint("broken", "no_such_module_for_fleetrl:register", cli.ENTRY_POINT_GROUP),
+           EntryPoint("hello", "daemon_test_actors:register", cli.ENTRY_POINT_GROUP)]
+    assert cli.groups_needed(["serve", "--config", "x.toml"], eps) == []
+    assert cli.groups_needed(["config", "check", "hello"], eps) == []
+    assert cli.groups_needed(["hello", "--flag"], eps) == [eps[1]]
+    assert cli.groups_needed(["--help"], eps) == eps
+    assert cli.groups_needed([], eps) == eps
+    assert cli.groups_needed(["unknown"], eps) == eps  # a group may register another name
+    monkeypatch.setattr(cli, "entry_points", lambda group: eps)
+    assert cli.main(["hello"]) == 0
+    assert "broken" not in capsys.readouterr().err  # never imported
+    assert cli.main(["--help"]) == 0
+    assert "command group 'broken'" in capsys.readouterr().err  # the help loads every group
+
+
 def test_no_command_prints_help_and_returns_2(capsys):
     assert cli.main([]) == 2
     assert "serve" in capsys.readouterr().err
