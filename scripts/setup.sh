@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian 12 machine (as root) and fast when done:
-#   1. a virtualenv in .venv with the package (editable) and its test extras;
+#   1. a virtualenv in .venv with the package (editable) and its test extras (torch by
+#      pip from the machine's CPU wheel, the rest by uv from its shared cache);
 #   2. a running Docker engine (installs docker.io and debootstrap when missing);
 #   3. the sandbox base image (built from a Debian root filesystem, cached by recipe).
 # Each step is skipped when its stamp or probe says it is already in place.
@@ -9,6 +10,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${FLEETRL_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
+UV_VERSION=0.13.9
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 # --- 1. virtualenv --------------------------------------------------------
@@ -21,13 +23,25 @@ if [[ ! -x $VENV/bin/python ]]; then
 fi
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     log "installing fleetrl and its dependencies"
-    "$VENV/bin/pip" install -q --upgrade pip
-    # torch first, pinned, so nothing can pull a CUDA build.
-    "$VENV/bin/pip" install -q "torch==2.13.0"
-    # With vLLM (CPU build) for the vLLM sampler backend: about 3.5 GB, once.
-    "$VENV/bin/pip" install -q -e ".[test,vllm]" "torch==2.13.0"
+    # torch is pinned and fetched by pip, which takes the machine's CPU wheel (its
+    # configured find-links) where another installer could pull a CUDA build of several GB.
+    wheels=$(mktemp -d)
+    trap 'rm -rf "$wheels"' EXIT
+    "$VENV/bin/pip" download -q --no-deps -d "$wheels" "torch==2.13.0"
+    torch_wheel=$(ls "$wheels"/torch-*.whl)
+    torch_version=$(basename "$torch_wheel" | cut -d- -f2)
+    # uv installs that wheel and everything else (about 3.5 GB with vLLM's CPU build) by
+    # linking files from its shared cache (~/.cache/uv): a second clone's virtualenv takes
+    # seconds where pip took minutes (docs/tiny-run.md, session 9).
+    "$VENV/bin/pip" install -q "uv==$UV_VERSION"
+    uv=("$VENV/bin/uv" pip --quiet)
+    "${uv[@]}" install --python "$VENV/bin/python" "$torch_wheel" -e ".[test,vllm]"
     # PyPI's torchvision/torchaudio/torchcodec break `import vllm` beside the CPU torch.
-    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "${uv[@]}" uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec 2>/dev/null || true
+    now=$("$VENV/bin/python" -W ignore -c 'import torch; print(torch.__version__)')
+    if [[ $now != "$torch_version" ]]; then
+        log "torch is $now, not $torch_version from $torch_wheel: a dependency replaced it"; exit 1
+    fi
     echo "$want" > "$stamp"
 else
     log "virtualenv up to date"
