@@ -27,7 +27,7 @@ from typing import Any
 
 __all__ = [
     "EVALUATOR", "POOL", "TRAINER", "VARIANTS", "Variant", "VariantError", "actors_by_factory",
-    "apply_variant", "drop_actors", "pool_config", "relocate", "set_max_steps", "synchronous",
+    "apply_variant", "drop_actors", "drop_time_budget", "pool_config", "relocate", "set_max_steps", "synchronous",
     "trainer_config", "variant_names",
 ]
 
@@ -144,11 +144,19 @@ def variant_names(spec: str) -> list[Variant]:
 
 
 def set_max_steps(cfg: Config, steps: int) -> Config:
-    """The step budget: ``max_steps`` of the trainer (and its progress bar)."""
+    """The step budget: ``max_steps`` of the trainer (and its progress bar). A wall-clock
+    ``time_budget_s`` is removed: runs compared at one step budget must all take it."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise VariantError(f"steps must be an integer >= 1, got {steps!r}")
-    out = copy.deepcopy(cfg)
+    out = drop_time_budget(cfg)
     trainer_config(out)["max_steps"] = steps
+    return out
+
+
+def drop_time_budget(cfg: Config) -> Config:
+    """The config without the trainer's ``time_budget_s`` (steps alone end the run)."""
+    out = copy.deepcopy(cfg)
+    trainer_config(out).pop("time_budget_s", None)
     return out
 
 
@@ -221,8 +229,10 @@ def relocate(cfg: Config, state_dir: str, *, shared: Mapping[str, str] = {}) -> 
 
 def apply_variant(cfg: Config, variant: Variant, *, state_dir: str, steps: int | None = None,
                   shared: Mapping[str, str] = {}) -> Config:
-    """The full config of one ablation arm: transform, budget, own state directory."""
-    out = variant.transform(copy.deepcopy(cfg))
+    """The full config of one ablation arm: transform, budget, own state directory. The
+    arms run the same step budget (``steps``, default the config's ``max_steps``), never
+    a wall-clock one: a faster arm would otherwise train more steps."""
+    out = drop_time_budget(variant.transform(copy.deepcopy(cfg)))
     if steps is not None:
         out = set_max_steps(out, steps)
     return relocate(out, state_dir, shared=shared)

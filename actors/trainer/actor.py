@@ -9,8 +9,9 @@ checkpoints: the daemon's hook (periodic and final), plus its own file every
 ``checkpoint_every`` steps and when it ends; every ``daemon_checkpoint_every`` steps it
 also asks the daemon for a checkpoint (``ctx.request_checkpoint``), so the daemon's
 file, which holds every actor's state, is taken at step boundaries. Each published version is announced
-(`WeightVersionAvailable`) to the ``announce_to`` actors. With ``max_steps`` and
-``shutdown_when_done`` it asks the daemon to shut down once the budget is spent.
+(`WeightVersionAvailable`) to the ``announce_to`` actors. With ``max_steps`` or
+``time_budget_s`` (wall-clock, checkpointed across restarts) and ``shutdown_when_done``
+it asks the daemon to shut down once the first budget is spent.
 
 Exactly-once: a group is marked trained in the same locked section as the step that
 trains it, and the checkpoint holds the queued groups and the trained ids, so after a
@@ -23,6 +24,7 @@ producers' hooks before their consumers').
 
 from __future__ import annotations
 
+import math
 import sys
 from functools import partial
 from typing import Any
@@ -94,11 +96,12 @@ class _Progress:
             self.bar = tqdm(total=total, initial=initial, desc="training", unit="step", file=sys.stderr,
                             dynamic_ncols=True, mininterval=0.5)
 
-    def step(self, m: StepMetrics) -> None:
+    def step(self, m: StepMetrics, time_left_s: float | None = None) -> None:
         if self.bar is None:
             return
+        extra = {} if time_left_s is None else {"time_left": f"{time_left_s / 60:.1f}min"}
         self.bar.set_postfix(version=m.version, reward=f"{m.reward_mean:.3f}", pass_rate=f"{m.pass_rate:.3f}",
-                             refresh=False)
+                             **extra, refresh=False)
         self.bar.update(0 if m.skipped else 1)
 
     def close(self) -> None:
@@ -218,7 +221,7 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
             metrics.queued.set(len(trainer.buffer))
             ctx.report_version("version", trainer.version)
             ctx.report_version("step", trainer.step)
-            progress.step(m)
+            progress.step(m, trainer.time_left_s())
             ctx.log.info("train step", step=m.step, version=m.version, loss=m.loss,
                          reward_mean=m.reward_mean, pass_rate=m.pass_rate, skipped=m.skipped,
                          usd_per_rollout=m.usd_per_rollout)
@@ -239,24 +242,30 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
         await announce_version()
         while True:
             await train_ready()
-            if trainer.done and not finished:
+            reason = trainer.stop_reason()
+            if reason is not None and not finished:
                 finished = True
                 progress.close()
                 async with lock:
                     await trio.to_thread.run_sync(trainer.write_checkpoint)
-                ctx.log.info("step budget reached", step=trainer.step, version=trainer.version,
-                             max_steps=cfg.max_steps)
+                ctx.log.info("training budget spent", reason=reason, step=trainer.step, version=trainer.version,
+                             max_steps=cfg.max_steps, time_budget_s=cfg.time_budget_s,
+                             elapsed_s=round(trainer.elapsed_s, 1))
                 if cfg.shutdown_when_done:
-                    await checkpoint_daemon(f"step budget reached at step {trainer.step}")
-                    ctx.request_shutdown(f"trainer reached max_steps={cfg.max_steps}")
+                    await checkpoint_daemon(f"training budget spent: {reason}")
+                    ctx.request_shutdown(f"trainer: {reason}")
             if not trainer.buffer.has_room:
-                # only when max_steps is reached: hold the inbox (backpressure) until drained
+                # only when a budget is spent: hold the inbox (backpressure) until drained
                 await ctx.wait_draining()
                 break
-            try:
-                msg = await ctx.inbox.receive()
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                break
+            left = None if finished else trainer.time_left_s()
+            with trio.move_on_after(math.inf if left is None else left + 0.01) as waited:
+                try:
+                    msg = await ctx.inbox.receive()
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+            if waited.cancelled_caught:  # the time budget ran out while nothing arrived
+                continue
             pending.append(msg)
             async with lock:
                 handle_pending()

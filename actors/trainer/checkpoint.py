@@ -48,6 +48,9 @@ class TrainerCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
     buffer: BufferState
     task_cursor: int = 0
     """Groups received from the inbox so far (the position in the rollout stream)."""
+    elapsed_s: float = 0.0
+    """Wall-clock seconds the trainer had run when this was captured, summed over its
+    restarts (what ``time_budget_s`` counts; 0 in checkpoints written before it existed)."""
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -58,7 +61,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffer: RolloutBuffer, *,
-            step: int, version: int, task_cursor: int) -> TrainerCheckpoint:
+            step: int, version: int, task_cursor: int, elapsed_s: float = 0.0) -> TrainerCheckpoint:
     """Snapshot the trainer (copies: later training does not change the snapshot)."""
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     opt = io.BytesIO()
@@ -67,7 +70,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffer: Ro
         step=step, version=version, fingerprint=model_fingerprint(model),
         model=st_save(state), optimizer=opt.getvalue(),
         rng=bytes(torch.get_rng_state().numpy().tobytes()), buffer=buffer.snapshot(),
-        task_cursor=task_cursor,
+        task_cursor=task_cursor, elapsed_s=elapsed_s,
     )
 
 

@@ -91,6 +91,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """A full anchor every this many versions."""
     max_steps: Annotated[int, msgspec.Meta(ge=0)] | None = None
     """Stop training after this many steps (None: until drained); groups keep queueing."""
+    time_budget_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    """Stop training once the trainer has run this many wall-clock seconds (counted from
+    its start, summed over restarts: the elapsed time is checkpointed), or at
+    ``max_steps``, whichever comes first (None: no time limit). A decaying
+    ``lr_schedule`` then follows the larger of the step and time fractions, so it ends at
+    its floor either way; the number of steps taken depends on the machine's speed."""
     device: str = "cpu"
     """torch device of the fp32 master model and the step ("cpu", "cuda", "cuda:1")."""
     seed: int = 0
@@ -105,7 +111,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Actors sent a `WeightVersionAvailable` for every published version (the sampler
     pool: it moves its staleness bound and makes local samplers sync; an evaluator)."""
     shutdown_when_done: bool = False
-    """At ``max_steps``: write the checkpoint and ask the daemon to shut down (the run's
+    """At ``max_steps`` (or when ``time_budget_s`` is spent): write the checkpoint and ask the daemon to shut down (the run's
     budget is spent; an evaluator then runs its final evaluation while draining)."""
     progress: bool = False
     """Draw a tqdm bar on stderr (steps of ``max_steps``, reward, pass rate)."""
@@ -124,8 +130,13 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                              f"got {self.lr_schedule!r}")
         _num(o, "lr_min_ratio", self.lr_min_ratio, low=0.0, high=1.0)
         _num(o, "lr_warmup_steps", self.lr_warmup_steps, low=0, high=1_000_000, integer=True)
-        if self.lr_schedule != "constant" and self.max_steps is None:
-            raise ValueError(f"{o}.lr_schedule = {self.lr_schedule!r} needs max_steps (the step budget it decays over)")
+        if self.time_budget_s is not None:
+            _num(o, "time_budget_s", self.time_budget_s, low=0.0, low_open=True)
+            if not math.isfinite(self.time_budget_s):
+                raise ValueError(f"{o}.time_budget_s must be finite, got {self.time_budget_s!r}")
+        if self.lr_schedule != "constant" and self.max_steps is None and self.time_budget_s is None:
+            raise ValueError(f"{o}.lr_schedule = {self.lr_schedule!r} needs max_steps or time_budget_s "
+                             "(the budget it decays over)")
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise ValueError(f"{o}.betas must be a (beta1, beta2) pair, got {self.betas!r}")
         for i, b in enumerate(self.betas):
@@ -150,8 +161,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                              f"groups_per_step ({self.groups_per_step})")
         if self.daemon_checkpoint_every is not None:
             _num(o, "daemon_checkpoint_every", self.daemon_checkpoint_every, low=1, high=1_000_000, integer=True)
-        if self.shutdown_when_done and self.max_steps is None:
-            raise ValueError(f"{o}.shutdown_when_done needs max_steps (the step budget)")
+        if self.shutdown_when_done and self.max_steps is None and self.time_budget_s is None:
+            raise ValueError(f"{o}.shutdown_when_done needs max_steps or time_budget_s (a budget)")
         for i, name in enumerate(self.announce_to):
             if not isinstance(name, str) or not name:
                 raise ValueError(f"{o}.announce_to[{i}] must be an actor name, got {name!r}")

@@ -7,6 +7,7 @@ lock, so a checkpoint never sees a half-done step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,8 @@ class Trainer:
         self.task_cursor = 0
         self.resumed_from: str = "fresh"
         self._applied = False
+        self._elapsed_before = 0.0  # seconds run by earlier incarnations (from the checkpoint)
+        self._started = time.monotonic()
 
     # -- start ------------------------------------------------------------------------
     def start(self, restored: Any) -> None:
@@ -82,6 +85,7 @@ class Trainer:
             _, where, best = max(candidates, key=lambda x: x[0])
             ck.restore(best, self.model, self.optimizer, self.buffer)
             self.step, self.task_cursor, self.resumed_from = best.step, best.task_cursor, where
+            self._elapsed_before = best.elapsed_s
         else:
             torch.manual_seed(self.cfg.seed)
         # continue the version sequence of whatever this state dir already published
@@ -93,20 +97,41 @@ class Trainer:
             self.publisher.resume_after(last)  # no shadow of `last` here: a full anchor next
         vm = self.publisher.publish(master_bf16(self.model))
         self.version = vm.version
+        self._started = time.monotonic()
 
     # -- training ---------------------------------------------------------------------
     def ready(self) -> bool:
         return len(self.buffer) >= self.cfg.groups_per_step and not self.done
 
     @property
+    def elapsed_s(self) -> float:
+        """Wall-clock seconds this trainer has run, earlier incarnations included."""
+        return self._elapsed_before + (time.monotonic() - self._started)
+
+    def time_left_s(self) -> float | None:
+        """Seconds of ``time_budget_s`` left (never negative), or None without one."""
+        budget = self.cfg.time_budget_s
+        return None if budget is None else max(0.0, budget - self.elapsed_s)
+
+    def stop_reason(self) -> str | None:
+        """Why the trainer takes no more steps (a budget is spent), or None."""
+        c = self.cfg
+        if c.max_steps is not None and self.step >= c.max_steps:
+            return f"max_steps={c.max_steps} reached"
+        if self.time_left_s() == 0.0:
+            return f"time_budget_s={c.time_budget_s:g} spent at step {self.step}"
+        return None
+
+    @property
     def done(self) -> bool:
-        return self.cfg.max_steps is not None and self.step >= self.cfg.max_steps
+        return self.stop_reason() is not None
 
     def lr_now(self) -> float:
         """The learning rate of the next step (`fleetrl.actors.trainer.schedule`)."""
         c = self.cfg
+        frac = None if c.time_budget_s is None else self.elapsed_s / c.time_budget_s
         return lr_at(self.step, lr=c.lr, schedule=c.lr_schedule, max_steps=c.max_steps,
-                     warmup_steps=c.lr_warmup_steps, min_ratio=c.lr_min_ratio)
+                     warmup_steps=c.lr_warmup_steps, min_ratio=c.lr_min_ratio, time_fraction=frac)
 
     def take_and_train(self) -> tuple[StepMetrics | None, list[StaleGroup]]:
         """Take a batch from the buffer and train on it, as one unit: if the step fails
@@ -133,7 +158,7 @@ class Trainer:
                        pass_threshold=self.cfg.pass_threshold, step=self.step,
                        trainer_version=self.version, share_prompts=self.cfg.share_prompts)
         cost = batch_cost_usd(groups)
-        m = msgspec.structs.replace(m, lr=lr, cost_usd=cost,
+        m = msgspec.structs.replace(m, lr=lr, cost_usd=cost, elapsed_s=self.elapsed_s,
                                     usd_per_rollout=cost / m.trajectories if m.trajectories else 0.0)
         if m.skipped:
             m = msgspec.structs.replace(m, version=self.version)
@@ -154,7 +179,8 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------
     def snapshot(self) -> bytes:
         return ck.encode(ck.capture(self.model, self.optimizer, self.buffer, step=self.step,
-                                    version=self.version, task_cursor=self.task_cursor))
+                                    version=self.version, task_cursor=self.task_cursor,
+                                    elapsed_s=self.elapsed_s))
 
     def write_checkpoint(self) -> None:
         """Write the trainer's own atomic checkpoint (temp file, fsync, rename)."""

@@ -64,6 +64,8 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     staleness_hist: dict[int, int] = {}
     """Groups of this batch by ``trainer version - oldest token version``."""
     step_s: float = 0.0
+    elapsed_s: float = 0.0
+    """The trainer's wall-clock seconds so far, restarts summed (set by the trainer)."""
     tokens_per_s: float = 0.0
     delta_ratio: float = 0.0
     """bf16 bytes / step-delta bytes of the published version (set by the actor)."""

@@ -109,6 +109,9 @@ def test_apply_variant_sets_the_budget(tiny):
     assert trainer_config(out)["corrections"]["weighting"] == "none"
     with pytest.raises(VariantError, match="steps must be an integer >= 1"):
         set_max_steps(tiny, 0)
+    trainer_config(tiny)["time_budget_s"] = 60.0  # arms compare at one step budget, never by time
+    for steps in (7, None):
+        assert "time_budget_s" not in trainer_config(apply_variant(tiny, VARIANTS["b"], state_dir="/s", steps=steps))
 
 
 def test_drop_evaluator_scrubs_its_name(tiny):
@@ -146,7 +149,8 @@ def test_bench_configs(tiny):
         assert [s["dtype"] for s in pool_config(c)["samplers"]] == ["fp32", "bf16", "fp8"]
     assert trainer_config(sync)["max_staleness"] == pool_config(sync)["max_staleness"] == 0
     assert trainer_config(asyn)["max_staleness"] == 2
-    assert synchronous(drop_actors(tiny, EVALUATOR)) == set_max_steps(sync, trainer_config(tiny)["max_steps"])
+    assert set_max_steps(synchronous(drop_actors(tiny, EVALUATOR)), 240) == set_max_steps(sync, 240)
+    assert "time_budget_s" not in trainer_config(sync) and "time_budget_s" not in trainer_config(asyn)
     assert bench_configs(tiny, groups=40)[3] == 3
     with pytest.raises(VariantError, match="at least two steps' worth"):
         bench_configs(tiny, groups=20)

@@ -65,7 +65,7 @@ after = ["trainer"]
     with state, trio.fail_after(180):
         code = await sup.run(handle_signals=False)  # nobody asks it to stop: the budget does
     assert code == ExitCode.OK
-    assert sup._shutdown_reason == "requested by actor 'trainer': trainer reached max_steps=2"
+    assert sup._shutdown_reason == "requested by actor 'trainer': trainer: max_steps=2 reached"
     # every published version was announced, in order, with its digest
     announced = [m for m in feed.GOT if isinstance(m, WeightVersionAvailable)]
     assert [m.version for m in announced] == [0, 1, 2]
@@ -85,8 +85,44 @@ after = ["trainer"]
     assert b'fleetrl_trainer_cost_usd_total{actor="trainer"}' in sup.metrics_text()
 
 
+async def test_a_spent_time_budget_ends_the_run_even_while_no_group_arrives(model_dir, groups, feed, tmp_path):
+    prompt = [BOS_ID, *b"def f(x):"]
+    feed.FEED.extend(groups.sampled(model_dir, f"g{i}", prompt, [1.0, 0.0], seed=60 + i) for i in range(3))
+    text = f"""
+[daemon]
+grace_s = 60.0
+checkpoint_interval_s = 1000.0
+[http]
+enabled = false
+[actors.trainer]
+factory = "fleetrl.actors.trainer:run"
+inbox = 8
+[actors.trainer.config]
+model_dir = "{model_dir}"
+groups_per_step = 2
+max_staleness = 100
+lr_schedule = "cosine"
+time_budget_s = 4.0
+shutdown_when_done = true
+[actors.feeder]
+factory = "trainer_test_actors:feeder"
+after = ["trainer"]
+config = {{hold = true}}
+"""
+    state = StateDir(tmp_path / "state").open()
+    sup = Supervisor(load_config_text(text, source="test.toml"), state, rng=random.Random(0))
+    with state, trio.fail_after(180):
+        code = await sup.run(handle_signals=False)  # one step, then the third group waits for a partner
+    assert code == ExitCode.OK
+    assert sup._shutdown_reason == "requested by actor 'trainer': trainer: time_budget_s=4 spent at step 1"
+    tc = ck.decode(CheckpointStore(state.checkpoints).load_latest()[0].actors["trainer"])
+    assert tc.step == 1 and tc.elapsed_s >= 4.0 and len(tc.buffer.queued) == 1  # the third group kept
+    (line,) = [json.loads(x) for x in (tmp_path / "state" / "actors" / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < line["elapsed_s"] < 4.0 and line["lr"] < 2e-4  # the cosine already moved by the time spent
+
+
 def test_budget_config_is_checked(model_dir):
-    with pytest.raises(ValueError, match="shutdown_when_done needs max_steps"):
+    with pytest.raises(ValueError, match="shutdown_when_done needs max_steps or time_budget_s"):
         TrainerConfig(model_dir=model_dir, shutdown_when_done=True)
     with pytest.raises(ValueError, match=r"announce_to\[0\] must be an actor name"):
         TrainerConfig(model_dir=model_dir, announce_to=("",))

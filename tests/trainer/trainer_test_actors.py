@@ -20,6 +20,8 @@ GOT: list[Any] = []
 
 class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     target: str = "trainer"
+    hold: bool = False
+    """Keep the channel open after the feed (a producer with nothing more to send yet)."""
 
 
 async def feeder(cfg: FeederConfig, ctx: ActorContext, *,
@@ -29,6 +31,8 @@ async def feeder(cfg: FeederConfig, ctx: ActorContext, *,
     async with out:
         for item in FEED:
             await out.send(item)
+        if cfg.hold:
+            await trio.sleep_forever()
 
 
 class SinkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
