@@ -154,9 +154,13 @@ def set_max_steps(cfg: Config, steps: int) -> Config:
 
 
 def drop_time_budget(cfg: Config) -> Config:
-    """The config without the trainer's ``time_budget_s`` (steps alone end the run)."""
+    """The config without the trainer's ``time_budget_s`` (steps alone end the run); a
+    config without a trainer is returned as it is (whoever needs one says so)."""
     out = copy.deepcopy(cfg)
-    trainer_config(out).pop("time_budget_s", None)
+    for name in actors_by_factory(out, TRAINER):
+        trainer = out["actors"][name].get("config")
+        if isinstance(trainer, dict):
+            trainer.pop("time_budget_s", None)
     return out
 
 
