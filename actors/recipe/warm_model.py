@@ -3,8 +3,8 @@
 `ensure_warm_model(cache_dir, recipe)` returns the directory of the tiny model built
 with `recipe.init_seed`, warmed up on the synthetic task format (`warmup.run_warmup`)
 and saved with transformers next to its byte tokenizer, so transformers, vLLM and the
-torch sampler backend all load it. The first call trains it (about 6 CPU-minutes;
-about 4 minutes on two idle cores); later calls find it in `cache_dir` and return at once.
+torch sampler backend all load it. The first call trains it (about 9 CPU-minutes;
+3 to 6 minutes on two idle cores, by machine); later calls find it in `cache_dir` and return at once.
 
 Cache layout: `cache_dir/warm-<key>/`, where `<key>` is derived from everything
 that determines the weights: the model spec, the init seed, the warm-up config

@@ -54,6 +54,7 @@ def summary_rows(s: Summary) -> list[tuple[str, str]]:
         ("rollouts trained", str(s.trajectories)),
         ("wall-clock, first to last held-out evaluation", _fmt(s.wall_clock_s, ".0f", " s")),
         ("trainer busy time (steps + publishing)", f"{s.trainer_busy_s:.0f} s"),
+        ("training wall-clock (what time_budget_s counts)", _fmt(s.training_s, ".0f", " s")),
         ("$ per rollout", "not priced" if s.usd_per_rollout is None else f"${s.usd_per_rollout:.6f}"),
     ]
     return rows

@@ -122,6 +122,9 @@ class Summary(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds from the first to the last held-out evaluation (None: fewer than two)."""
     trainer_busy_s: float
     """Sum of the steps' ``step_s + publish_s``."""
+    training_s: float | None = None
+    """The trainer's wall clock at its last logged step (``elapsed_s``, restarts summed:
+    what ``time_budget_s`` counts); None for metrics written before it was logged."""
     usd_per_rollout: float | None
     """Sampling cost of every logged step / their rollouts (None: no step had a cost)."""
     truncated: tuple[str, ...] = ()
@@ -151,6 +154,7 @@ def summarize(steps: Sequence[StepMetrics], evals: Sequence[EvalRow], *,
         heldout_end={s: r for s in SPLITS if (r := last_eval(evals, s)) is not None},
         wall_clock_s=times[-1] - times[0] if len(times) >= 2 else None,
         trainer_busy_s=sum(r.step_s + r.publish_s for r in steps),
+        training_s=max((r.elapsed_s for r in steps), default=0.0) or None,
         usd_per_rollout=_usd(steps),
         truncated=tuple(truncated),
     )

@@ -69,7 +69,8 @@ def _config(state: Path, cache: Path) -> str:
     return derive(state, {
         "logging": {"console": '"none"'},
         "actors.warm_start.config": {"cache_dir": f'"{cache}"'},
-        "actors.trainer.config": {"max_steps": str(STEPS), "progress": "false"},
+        # exactly STEPS steps on any machine: no wall-clock budget
+        "actors.trainer.config": {"max_steps": str(STEPS), "time_budget_s": None, "progress": "false"},
         # 600 held-out tasks per split (the shipped report uses 200): three times the tasks cut
         # the variance of the paired difference by 3, so the test has the power to see a real gain
         "actors.evaluator.config": {"every_versions": "100000", "progress": "false", "n": str(EVAL_N),

@@ -34,7 +34,7 @@ def _config(state: Path, cache: Path) -> str:
         "actors.warm_start.config": {"cache_dir": f'"{cache}"'},
         "actors.trainer.config": {"groups_per_step": "4", "max_steps": "1000", "checkpoint_every": "1",
                                   "daemon_checkpoint_every": "1", "max_staleness": "1000", "progress": "false",
-                                  "lr": "1e-3"},
+                                  "lr": "1e-3", "time_budget_s": None},
         "actors.pool.config": {"attempts_per_step": "16"},
         "actors.env.config": {"group_size": "4", "max_concurrent_attempts": "8", "drain_grace_s": "20.0"},
         "actors.evaluator.config": {"n": "8", "every_versions": "100000", "progress": "false", "splits": '["fresh"]'},

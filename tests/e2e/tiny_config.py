@@ -12,9 +12,10 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.toml"
 
 
-def derive(state_dir: Path, overrides: Mapping[str, Mapping[str, str]], text: str | None = None) -> str:
-    """``overrides``: section name (as in its ``[header]``) -> key -> TOML literal. A key
-    that the section lacks is added under its header. The result is checked to parse."""
+def derive(state_dir: Path, overrides: Mapping[str, Mapping[str, str | None]], text: str | None = None) -> str:
+    """``overrides``: section name (as in its ``[header]``) -> key -> TOML literal, or None
+    to remove the key. A key that the section lacks is added under its header. The
+    result is checked to parse."""
     text = TINY.read_text() if text is None else text
     text = text.replace('state_dir = ".fleetrl"', f'state_dir = "{state_dir}"').replace('".fleetrl/', f'"{state_dir}/')
     lines = text.splitlines()
@@ -28,7 +29,11 @@ def derive(state_dir: Path, overrides: Mapping[str, Mapping[str, str]], text: st
         for key, value in keys.items():
             pat = re.compile(rf"^{re.escape(key)}\s*=")
             at = next((i for i in range(start + 1, end) if pat.match(lines[i])), None)
-            if at is None:
+            if value is None:
+                if at is not None:
+                    del lines[at]
+                    end -= 1
+            elif at is None:
                 lines.insert(start + 1, f"{key} = {value}")
                 end += 1
             else:

@@ -21,8 +21,9 @@ def evals(h) -> list[EvalRow]:
 
 
 def test_summary_numbers(h):
-    steps = [h.step_metrics(i, cost_usd=0.064 * i, trajectories=32) for i in range(1, 11)]
+    steps = [h.step_metrics(i, cost_usd=0.064 * i, trajectories=32, elapsed_s=3.0 * i) for i in range(1, 11)]
     s = summarize(steps, evals(h))
+    assert s.training_s == 30.0 and dict(summary_rows(s))["training wall-clock (what time_budget_s counts)"] == "30 s"
     assert s.steps == 10 and s.groups == 40 and s.trajectories == 320 and s.skipped_steps == 0
     assert math.isclose(s.reward_start, sum(0.2 + 0.05 * i for i in range(1, 6)) / 5)
     assert math.isclose(s.reward_end, sum(0.2 + 0.05 * i for i in range(6, 11)) / 5)
@@ -42,6 +43,7 @@ def test_unpriced_run_and_single_eval(h):
     assert rows["$ per rollout"] == "not priced"
     assert rows["held-out pass@1, general, end"] == "n/a"
     assert rows["wall-clock, first to last held-out evaluation"] == "n/a"
+    assert s.training_s is None and rows["training wall-clock (what time_budget_s counts)"] == "n/a"
 
 
 def test_empty_run():
