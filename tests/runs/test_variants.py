@@ -142,7 +142,7 @@ def test_variant_names():
 
 def test_bench_configs(tiny):
     sync, asyn, groups, steps = bench_configs(tiny, groups=None)
-    assert groups == 80 and steps == 5  # five steps of configs/tiny.toml's 16 groups
+    assert groups == 40 and steps == 5  # five steps of configs/tiny.toml's 8 groups
     for c in (sync, asyn):
         assert actors_by_factory(c, EVALUATOR) == []
         assert trainer_config(c)["max_steps"] == 5
@@ -151,9 +151,9 @@ def test_bench_configs(tiny):
     assert trainer_config(asyn)["max_staleness"] == 2
     assert set_max_steps(synchronous(drop_actors(tiny, EVALUATOR)), 240) == set_max_steps(sync, 240)
     assert "time_budget_s" not in trainer_config(sync) and "time_budget_s" not in trainer_config(asyn)
-    assert bench_configs(tiny, groups=40)[3] == 3
+    assert bench_configs(tiny, groups=20)[3] == 3
     with pytest.raises(VariantError, match="at least two steps' worth"):
-        bench_configs(tiny, groups=20)
+        bench_configs(tiny, groups=12)
 
 
 def test_measure_from_the_first_step():

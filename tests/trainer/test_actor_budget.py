@@ -25,6 +25,32 @@ from fleetrl.daemon.supervisor import Supervisor
 
 
 
+def _budget_run(model_dir: str, trainer: str, *, pool: bool = False, feeder: str = "") -> str:
+    """A daemon config: the trainer (2 groups per step, ending the run when its budget is
+    spent, plus the ``trainer`` TOML lines), a feeder, and with ``pool`` a sink for it."""
+    sink = '[actors.pool]\nfactory = "trainer_test_actors:sink"\n' if pool else ""
+    return f"""
+[daemon]
+grace_s = 60.0
+checkpoint_interval_s = 1000.0
+[http]
+enabled = false
+{sink}[actors.trainer]
+factory = "fleetrl.actors.trainer:run"
+inbox = 8
+[actors.trainer.config]
+model_dir = "{model_dir}"
+groups_per_step = 2
+max_staleness = 100
+shutdown_when_done = true
+{trainer}
+[actors.feeder]
+factory = "trainer_test_actors:feeder"
+after = ["trainer"]
+{feeder}
+"""
+
+
 def _priced(group, usd_per_call: float):
     """The group with every model call costing ``usd_per_call``."""
     trajs = tuple(msgspec.structs.replace(t, segments=tuple(
@@ -36,30 +62,10 @@ async def test_budget_ends_the_run_announcing_versions_and_costing_rollouts(mode
     prompt = [BOS_ID, *b"def f(x):"]
     feed.FEED.extend(_priced(groups.sampled(model_dir, f"g{i}", prompt, [1.0, 0.0, 0.5], seed=40 + i), 0.01 * (i + 1))
                      for i in range(5))
-    text = f"""
-[daemon]
-grace_s = 60.0
-checkpoint_interval_s = 1000.0
-[http]
-enabled = false
-[actors.pool]
-factory = "trainer_test_actors:sink"
-[actors.trainer]
-factory = "fleetrl.actors.trainer:run"
-inbox = 8
-[actors.trainer.config]
-model_dir = "{model_dir}"
-groups_per_step = 2
-lr = 1e-2
-max_staleness = 100
+    text = _budget_run(model_dir, """lr = 1e-2
 max_steps = 2
 daemon_checkpoint_every = 1
-announce_to = ["pool"]
-shutdown_when_done = true
-[actors.feeder]
-factory = "trainer_test_actors:feeder"
-after = ["trainer"]
-"""
+announce_to = ["pool"]""", pool=True)
     state = StateDir(tmp_path / "state").open()
     sup = Supervisor(load_config_text(text, source="test.toml"), state, rng=random.Random(0))
     with state, trio.fail_after(180):
@@ -88,27 +94,8 @@ after = ["trainer"]
 async def test_a_spent_time_budget_ends_the_run_even_while_no_group_arrives(model_dir, groups, feed, tmp_path):
     prompt = [BOS_ID, *b"def f(x):"]
     feed.FEED.extend(groups.sampled(model_dir, f"g{i}", prompt, [1.0, 0.0], seed=60 + i) for i in range(3))
-    text = f"""
-[daemon]
-grace_s = 60.0
-checkpoint_interval_s = 1000.0
-[http]
-enabled = false
-[actors.trainer]
-factory = "fleetrl.actors.trainer:run"
-inbox = 8
-[actors.trainer.config]
-model_dir = "{model_dir}"
-groups_per_step = 2
-max_staleness = 100
-lr_schedule = "cosine"
-time_budget_s = 4.0
-shutdown_when_done = true
-[actors.feeder]
-factory = "trainer_test_actors:feeder"
-after = ["trainer"]
-config = {{hold = true}}
-"""
+    text = _budget_run(model_dir, """lr_schedule = "cosine"
+time_budget_s = 4.0""", feeder="config = {hold = true}")
     state = StateDir(tmp_path / "state").open()
     sup = Supervisor(load_config_text(text, source="test.toml"), state, rng=random.Random(0))
     with state, trio.fail_after(180):
