@@ -93,7 +93,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Stop training after this many steps (None: until drained); groups keep queueing."""
     time_budget_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
     """Stop training once the trainer has run this many wall-clock seconds (counted from
-    its start, summed over restarts: the elapsed time is checkpointed), or at
+    its start, summed over restarts: the elapsed time is checkpointed; operator pauses
+    count), or at
     ``max_steps``, whichever comes first (None: no time limit). A decaying
     ``lr_schedule`` then follows the larger of the step and time fractions, so it ends at
     its floor either way; the number of steps taken depends on the machine's speed."""
