@@ -21,7 +21,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     (["bench"], 2, "usage: fleetrl bench"),
     (["bench", "async"], 2, "the following arguments are required: --config"),
     (["bench", "async", "--config", TINY, "--groups", "x"], 2, "argument --groups: expected a whole number"),
-    (["bench", "async", "--config", TINY, "--groups", "20"], 2, "--groups must be at least two steps' worth (32"),
+    (["bench", "async", "--config", TINY, "--groups", "12"], 2, "--groups must be at least two steps' worth (16"),
 ])
 def test_argument_errors(argv, code, message, capsys):
     assert main(argv) == code
