@@ -55,6 +55,7 @@ from .checkpoint import CheckpointStore
 from .config import ActorSpec, Config
 from .control import MountTable, build_app, serve_control
 from .faults import ActorEscalated, ExitCode
+from .handles import HandleTable
 from .metrics import ActorMetrics, KernelMetrics, MetricsRegistry
 from .restart import RestartTracker
 from .state import StateDir
@@ -78,12 +79,14 @@ class ActorRecord:
         self.last_error_at: float | None = None
         self.versions: dict[str, Any] = {}
 
-    def as_json(self, inbox: tuple[int, int]) -> dict[str, Any]:
+    def as_json(self, inbox: tuple[int, int], statistics: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
         return {"state": self.state, "factory": self.spec.factory,
                 "incarnation": self.incarnation, "restarts": self.restarts,
                 "last_error": self.last_error, "last_error_at": self.last_error_at,
                 "versions": dict(self.versions),
-                "inbox": {"messages": inbox[0], "capacity": inbox[1]}}
+                "inbox": {"messages": inbox[0], "capacity": inbox[1]},
+                "statistics": statistics}
 
 
 def _describe(exc: BaseException) -> str:
@@ -124,7 +127,8 @@ class Supervisor:
         self.store = CheckpointStore(state.checkpoints, keep=config.daemon.checkpoint_keep)
         self.metrics = MetricsRegistry()
         self._kmetrics = KernelMetrics(self.metrics, uptime=self.uptime,
-                                       inbox_stats=self.inbox_stats)
+                                       inbox_stats=self.inbox_stats,
+                                       statistics=self.actor_statistics)
         self._rng = rng if rng is not None else random.Random()
         self._blocking = run_blocking or trio.to_thread.run_sync
         self._checkpoint_failed = False
@@ -133,6 +137,7 @@ class Supervisor:
                                        trio.MemoryReceiveChannel[Any]]] = {
             s.name: trio.open_memory_channel(s.inbox) for s in config.actors}
         self._hooks: dict[str, CheckpointHook] = {}
+        self._handles = HandleTable([s.name for s in config.actors])
         self._states: dict[str, Any] = {}
         self._last_checkpoint: dict[str, Any] | None = None
         self._ckpt_lock = trio.Lock()
@@ -152,6 +157,15 @@ class Supervisor:
         if name not in self._inboxes:
             raise KeyError(f"no actor named {name!r} (known: {', '.join(self._inboxes)})")
         return self._inboxes[name][0]
+
+    async def wait_handle(self, name: str, *, asker: str) -> Any:
+        """The handle actor `name` started with (waits while it is not running)."""
+        if name not in self._records:
+            raise KeyError(f"no actor named {name!r} (known: {', '.join(self._records)})")
+        if self._records[name].state == "pending" and self._records[asker].state == "starting":
+            raise ValueError(f"actor {asker!r} asks for the handle of {name!r}, which starts after it: "
+                             f"add {name!r} to [actors.{asker}] after = [...]")
+        return await self._handles.wait(name)
 
     def set_hook(self, name: str, hook: CheckpointHook) -> None:
         self._hooks[name] = hook
@@ -203,14 +217,19 @@ class Supervisor:
         timer.daemon = True
         timer.start()
 
+    def actor_statistics(self) -> dict[str, dict[str, Any]]:
+        """Each running actor's ``handle.statistics()`` as plain data (see `HandleTable`)."""
+        return self._handles.statistics()
+
     def status(self) -> dict[str, Any]:
         stats = self.inbox_stats()
+        records = self.actor_statistics()
         last = self._last_checkpoint
         return {
             "run_id": self.run_id, "instance_id": self.instance_id,
             "uptime_s": round(self.uptime(), 3), "phase": self._phase,
             "paused": self.gate.closed, "draining": self.draining_event.is_set(),
-            "actors": {n: r.as_json(stats[n]) for n, r in self._records.items()},
+            "actors": {n: r.as_json(stats[n], records.get(n)) for n, r in self._records.items()},
             "mounts": self.mounts.prefixes(),
             "checkpoint": last,
         }
@@ -305,10 +324,11 @@ class Supervisor:
                     name=spec.name, kernel=self, inbox=self._inboxes[spec.name][1].clone(),
                     state_dir=self.state.actor_dir(spec.name),
                     restored=self._states.get(spec.name), incarnation=rec.incarnation,
-                    log=log, metrics=ActorMetrics(self.metrics, spec.name))
+                    log=log, metrics=ActorMetrics(self.metrics, spec.name),
+                    previous_handle=self._handles.previous(spec.name))
                 try:
                     async with trio.open_nursery() as n:
-                        await n.start(partial(spec.run, spec.config, ctx))
+                        self._handles.publish(spec.name, await n.start(partial(spec.run, spec.config, ctx)))
                         rec.state = "running"
                         up.set(1)
                         if not announced:
@@ -346,6 +366,7 @@ class Supervisor:
                                 delay_s=round(delay, 3), restarts=rec.restarts, exc_info=exc)
                 finally:
                     up.set(0)
+                    self._handles.retract(spec.name)
                     ctx._close()
                 with trio.move_on_after(delay):
                     await self.draining_event.wait()
