@@ -20,6 +20,10 @@ in /status and exported as ``fleetrl_actor_statistic`` in /metrics
   returned: an actor that serves through its handle drains by reading its inbox to
   the end. ``previous_handle``: what this actor's previous incarnation started with
   (None on the first), for state that should outlive a restart
+- ``clock()`` and ``await run_blocking(fn, *args)``: the kernel's clock (seconds,
+  monotonic) and its way of running blocking work (a worker thread). Tests that run
+  the supervisor on Trio's autojump clock inject both (`Supervisor`'s ``clock`` and
+  ``run_blocking``), so an actor's time budgets run on virtual time
 - ``log``: structlog logger bound with ``actor`` and ``run_id``
 - ``metrics``: Prometheus helpers that label with ``actor``
 - ``paused`` / ``wait_unpaused()``: operator pause (POST /pause); check before taking work
@@ -106,6 +110,14 @@ class ActorContext:
     def daemon_dir(self) -> Path:
         """The daemon's state directory (``ctx.state_dir`` is this actor's own subdirectory)."""
         return self._kernel.state.path
+
+    def clock(self) -> float:
+        """The kernel's monotonic clock in seconds (``time.monotonic`` unless injected)."""
+        return self._kernel.clock()
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking `fn(*args)` the kernel's way (a worker thread unless injected)."""
+        return await self._kernel.run_blocking(fn, *args)
 
     # -- messaging ----------------------------------------------------------------
     def sender(self, name: str) -> trio.MemorySendChannel[Any]:

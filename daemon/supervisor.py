@@ -108,14 +108,18 @@ class Supervisor:
     """Owns one run of the daemon: actors, inboxes, checkpoints, control plane.
 
     `state` must already be open (locked). `rng` seeds restart jitter (tests pass a
-    seeded one or set ``jitter = 0``). `run_blocking` runs checkpoint file I/O; the
-    default moves it to a worker thread, and tests that use Trio's autojump clock
-    pass `run_inline` instead (the clock would otherwise jump while a thread works).
+    seeded one or set ``jitter = 0``). `run_blocking` runs checkpoint file I/O and
+    actors' blocking work (``ctx.run_blocking``); the default moves it to a worker
+    thread, and tests that use Trio's autojump clock pass `run_inline` instead (the
+    clock would otherwise jump while a thread works). `clock` is what ``ctx.clock()``
+    reads (default ``time.monotonic``; such tests pass ``trio.current_time``, which
+    needs `run_inline`: it cannot be read from a worker thread).
     """
 
     def __init__(self, config: Config, state: StateDir, *,
                  rng: random.Random | None = None,
-                 run_blocking: Callable[..., Awaitable[Any]] | None = None) -> None:
+                 run_blocking: Callable[..., Awaitable[Any]] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self.state = state
         self.run_id = state.run_id
@@ -131,6 +135,7 @@ class Supervisor:
                                        statistics=self.actor_statistics)
         self._rng = rng if rng is not None else random.Random()
         self._blocking = run_blocking or trio.to_thread.run_sync
+        self.clock = clock or time.monotonic
         self._checkpoint_failed = False
         self._records = {s.name: ActorRecord(s) for s in config.actors}
         self._inboxes: dict[str, tuple[trio.MemorySendChannel[Any],
@@ -166,6 +171,9 @@ class Supervisor:
             raise ValueError(f"actor {asker!r} asks for the handle of {name!r}, which starts after it: "
                              f"add {name!r} to [actors.{asker}] after = [...]")
         return await self._handles.wait(name)
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._blocking(fn, *args)
 
     def set_hook(self, name: str, hook: CheckpointHook) -> None:
         self._hooks[name] = hook

@@ -1,46 +1,48 @@
 """The warm-start actor: makes sure the embedded default's warm model exists before
 anyone loads it.
 
-``fleetrl.actors.trainer.warm_start:run`` calls `ensure_warm_model(cache_dir, recipe)`
+``fleetrl.actors.warm_start:run`` calls `ensure_warm_model(cache_dir, recipe)`
 (a cached build: the first start trains the supervised warm-up, later starts find it),
 then points ``link`` (a symlink, replaced atomically) at the model directory, and only
 then reports started. The trainer, the sampler pool, the environment workers and the
-evaluator list it in ``after`` and load ``link``. It holds no state and idles until
-the daemon drains.
+evaluator list it in ``after`` and load ``link``. It holds no state, reads no messages
+and idles until the daemon drains.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Never
 
 import msgspec
 import trio
 
-from fleetrl.actors.recipe import DEFAULT_RECIPE, WarmRecipe, ensure_warm_model
+from fleetrl.actors.recipe import ensure_warm_model
+from fleetrl.daemon.actor import ActorContext
 
-__all__ = ["WarmStartConfig", "point_link", "run"]
+from .config import WarmStartConfig
+
+__all__ = ["Inbox", "WarmStartHandle", "WarmStartStatistics", "point_link", "run"]
+
+Inbox = Never
+"""The warm-start actor takes no messages."""
 
 
-class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``[actors.warm_start.config]``."""
+class WarmStartStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    model_dir: str
+    """The warm model directory the link points at."""
+    seconds: float
+    """How long finding or building it took."""
 
-    cache_dir: str
-    """Where warm models are cached (``warm-<key>/`` per recipe)."""
-    link: str
-    """Path of the symlink to the warm model directory that the other actors load."""
-    recipe: WarmRecipe = DEFAULT_RECIPE
-    """The recipe (default: `DEFAULT_RECIPE`); any field may be overridden in the TOML."""
-    threads: int = 1
-    """torch intra-op threads for the build (1 is fastest on a CPU shared with samplers)."""
 
-    def __post_init__(self) -> None:
-        for name in ("cache_dir", "link"):
-            if not getattr(self, name):
-                raise ValueError(f"WarmStartConfig.{name} must be a non-empty path")
-        if isinstance(self.threads, bool) or self.threads < 1:
-            raise ValueError(f"WarmStartConfig.threads must be an int >= 1, got {self.threads!r}")
+class WarmStartHandle:
+    def __init__(self, model_dir: Path, seconds: float) -> None:
+        self.model_dir = model_dir
+        self.seconds = seconds
+
+    def statistics(self) -> WarmStartStatistics:
+        return WarmStartStatistics(model_dir=str(self.model_dir), seconds=round(self.seconds, 3))
 
 
 def point_link(link: Path, target: Path) -> None:
@@ -61,7 +63,8 @@ def point_link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-async def run(cfg: WarmStartConfig, ctx: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+async def run(cfg: WarmStartConfig, ctx: ActorContext, *,
+              task_status: trio.TaskStatus[WarmStartHandle] = trio.TASK_STATUS_IGNORED) -> None:
     """Ensure the warm model, point the link at it, start, idle until drained."""
     lines: list[str] = []
 
@@ -78,7 +81,7 @@ async def run(cfg: WarmStartConfig, ctx: Any, *, task_status: Any = trio.TASK_ST
         abandon_on_cancel=True)
     await trio.to_thread.run_sync(point_link, Path(cfg.link), path)
     ctx.report_version("model", path.name)
-    ctx.log.info("warm model ready", model_dir=str(path), link=cfg.link,
-                 seconds=round(trio.current_time() - t0, 1))
-    task_status.started()
+    seconds = trio.current_time() - t0
+    ctx.log.info("warm model ready", model_dir=str(path), link=cfg.link, seconds=round(seconds, 1))
+    task_status.started(WarmStartHandle(path, seconds))
     await ctx.wait_draining()
