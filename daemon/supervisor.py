@@ -163,11 +163,13 @@ class Supervisor:
             raise KeyError(f"no actor named {name!r} (known: {', '.join(self._inboxes)})")
         return self._inboxes[name][0]
 
-    async def wait_handle(self, name: str, *, asker: str) -> Any:
-        """The handle actor `name` started with (waits while it is not running)."""
+    async def wait_handle(self, name: str, *, asker: str | None = None) -> Any:
+        """The handle actor `name` started with (waits while it is not running).
+        `asker`: the actor asking (None: code outside the daemon's actors, e.g. a test)."""
         if name not in self._records:
             raise KeyError(f"no actor named {name!r} (known: {', '.join(self._records)})")
-        if self._records[name].state == "pending" and self._records[asker].state == "starting":
+        if (asker is not None and self._records[name].state == "pending"
+                and self._records[asker].state == "starting"):
             raise ValueError(f"actor {asker!r} asks for the handle of {name!r}, which starts after it: "
                              f"add {name!r} to [actors.{asker}] after = [...]")
         return await self._handles.wait(name)

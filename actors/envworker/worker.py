@@ -544,10 +544,8 @@ async def open_model(m: ModelConfig, ctx: Any) -> Any:
         backend = await trio.to_thread.run_sync(TorchBackend, bcfg)
         tok = await trio.to_thread.run_sync(HFChatTokenizer.from_pretrained, m.tokenizer_dir or m.model_dir)
         return LocalModelClient(backend, tok, sampler_id=f"{ctx.name}-local", concurrency=m.concurrency)
-    from fleetrl.actors.pool import pool_client
-
     tok = await trio.to_thread.run_sync(HFChatTokenizer.from_pretrained, m.tokenizer_dir)
-    return PoolModelClient(await pool_client(m.pool), tok, min_version=m.min_version)
+    return PoolModelClient(await ctx.handle(m.pool), tok, min_version=m.min_version)
 
 
 def _sender(ctx: Any, name: str, key: str) -> Any:

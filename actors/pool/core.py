@@ -1,10 +1,11 @@
 """The sampler pool: routes generate requests over local and remote samplers.
 
 `SamplerPool` is the in-process core (no daemon needed, so tests and benches use it
-directly); `run` is the actor that builds one from `PoolConfig`, keeps its local
-samplers alive, mounts the join endpoint for remote samplers, exports metrics, and
-serves `GenerateRequest`s from its inbox. Other actors in the daemon can also call it
-directly: ``pool = await pool_client("pool")`` then ``await pool.generate(request)``.
+directly); the actor (`fleetrl.actors.pool.actor`) builds one from `PoolConfig`, keeps
+its local samplers alive, mounts the join endpoint for remote samplers, exports
+metrics, serves `GenerateRequest`s from its inbox, and starts with the pool as its
+handle: other actors in the daemon call it directly, ``pool = await
+ctx.handle("pool")`` then ``await pool.generate(request)``.
 
 What the pool guarantees:
 
@@ -33,19 +34,14 @@ What the pool guarantees:
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import math
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
 import trio
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from fleetrl.daemon import messages as m
 
@@ -54,67 +50,27 @@ from .pacing import Admission, Pacer
 from .registry import Registry
 from .routing import AffinityTable, Bounds, policy_named, prompt_key, with_affinity
 
-__all__ = ["LocalSamplerConfig", "PacedAttempt", "PoolConfig", "PoolMetrics", "SamplerPool", "pool_client",
-           "read_fleet_token", "run"]
-
-PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+__all__ = ["PacedAttempt", "PoolStatistics", "SamplerPool"]
 
 
-class LocalSamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One sampler run inside the daemon."""
+class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """What the pool has done (its handle's ``statistics()``; /status and /metrics)."""
 
-    id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]+$")]
-    model_dir: str
-    backend: Literal["torch", "vllm"] = "torch"
-    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
-    device: str = "cpu"
-    price_per_hour: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
-    capacity: Annotated[int, msgspec.Meta(ge=1)] = 1
-    """Requests served at once (what routing counts against)."""
-    max_batch: Annotated[int, msgspec.Meta(ge=1)] = 64
-    """Most requests in one backend call (concurrent requests are decoded as batches)."""
-
-
-class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Settings of the sampler pool actor (``[actors.pool.config]``)."""
-
-    policy: Literal["least_loaded", "cost_aware"] = "least_loaded"
-    affinity: bool = True
-    """Prompt affinity: a request goes to the sampler holding others with the same prompt
-    (while that one is feasible and has a free slot), so a group shares a batch."""
-    max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 2
-    """Samplers more than this many versions behind the trainer get no requests."""
-    max_latency_s: PosFloat = 120.0
-    """Cost-aware routing keeps the expected latency of a request under this."""
-    request_timeout_s: PosFloat = 600.0
-    """A sampler that holds one request longer than this has stopped answering."""
-    max_tries: Annotated[int, msgspec.Meta(ge=1)] = 5
-    """Samplers a request may break (or be refused by) before it is failed."""
-    health_interval_s: PosFloat = 10.0
-    health_timeout_s: PosFloat = 30.0
-    restart_backoff_s: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
-    samplers: tuple[LocalSamplerConfig, ...] = ()
-    """Local samplers."""
-    weights_dir: str | None = None
-    """A local delta store (actors/weights LocalDirStore) that local samplers follow."""
-    join: bool = True
-    """Mount the join endpoint for remote samplers at ``join_prefix`` on the control plane."""
-    join_prefix: str = "/fleet"
-    fleet_token_file: str | None = None
-    """File holding the fleet token; default ``<actor state dir>/fleet_token`` (created, 0600)."""
-    heartbeat_s: PosFloat = 2.0
-    heartbeat_timeout_s: PosFloat = 10.0
-    """A remote silent for this long is treated as dead."""
-    reply_to: str | None = None
-    """Actor that receives the answers to requests taken from the inbox."""
-    attempts_per_step: Annotated[int, msgspec.Meta(ge=1)] = 64
-    """Attempts the trainer consumes per version (for staleness pacing)."""
-
-    def __post_init__(self) -> None:
-        ids = [s.id for s in self.samplers]
-        dup = sorted({i for i in ids if ids.count(i) > 1})
-        if dup:
-            raise ValueError(f"samplers: duplicate id(s) {', '.join(dup)}")
+    trainer_version: int
+    samplers_live: int
+    samplers_remote: int
+    answered: int
+    """Requests answered with a Generation."""
+    rerouted: int
+    """Times a request was taken off a sampler and routed again."""
+    failed: int
+    """Requests answered with GenerateFailed."""
+    attempts_in_flight: int
+    """Admitted attempts the pacer has not released yet."""
+    attempts_waiting: int
+    """Finished attempts waiting for earlier ones (release in admission order)."""
+    stale_reports: int
+    """Stale-group reports the trainer sent."""
 
 
 class PacedAttempt:
@@ -157,7 +113,17 @@ class SamplerPool:
         self.answered = 0
         self.rerouted = 0
         self.failed = 0
+        self.stale_reports = 0
         self._ids = itertools.count(1)
+
+    def statistics(self) -> PoolStatistics:
+        """What the pool has done so far (the pool actor's handle record)."""
+        live = [r for r in self.registry.records() if r.alive]
+        return PoolStatistics(trainer_version=self.trainer_version, samplers_live=len(live),
+                              samplers_remote=sum(1 for r in live if r.remote), answered=self.answered,
+                              rerouted=self.rerouted, failed=self.failed,
+                              attempts_in_flight=self.pacer.in_flight, attempts_waiting=self.pacer.waiting,
+                              stale_reports=self.stale_reports)
 
     # -- membership ---------------------------------------------------------------------
     def add(self, handle: SamplerHandle, identity: m.SamplerIdentity, *, price_per_hour: float,
@@ -418,186 +384,3 @@ class SamplerPool:
     def _emit(self, event: str, level: str = "info", **kw: Any) -> None:
         if self.log is not None:
             getattr(self.log, level)(event, **kw)
-
-
-class PoolMetrics(Collector):
-    """Per-sampler Prometheus metrics, read from the registry at scrape time."""
-
-    def __init__(self, pool: SamplerPool, actor: str) -> None:
-        self.pool = pool
-        self.actor = actor
-
-    def describe(self) -> Iterable[Any]:
-        return []  # names are checked at scrape time, so a restarted actor can re-register
-
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        labels = ["actor", "sampler", "backend", "device", "dtype", "remote"]
-        fams = {
-            "up": GaugeMetricFamily("fleetrl_sampler_up", "1 while the sampler is live", labels=labels),
-            "tps": GaugeMetricFamily("fleetrl_sampler_tokens_per_second",
-                                     "generated tokens per busy second", labels=labels),
-            "queue": GaugeMetricFamily("fleetrl_sampler_queue_depth",
-                                       "requests assigned and not answered", labels=labels),
-            "lag": GaugeMetricFamily("fleetrl_sampler_version_lag",
-                                     "trainer version minus the sampler's", labels=labels),
-            "usd": GaugeMetricFamily("fleetrl_sampler_usd_per_1k_tokens",
-                                     "measured dollars per 1000 generated tokens", labels=labels),
-            "tokens": GaugeMetricFamily("fleetrl_sampler_tokens", "tokens generated", labels=labels),
-        }
-        try:
-            now: float | None = trio.current_time()
-        except RuntimeError:  # scraped from outside Trio: busy time up to the last change
-            now = None
-        for r in self.pool.registry.records():
-            lv = [self.actor, r.sampler_id, r.identity.backend, r.identity.device_kind,
-                  r.identity.dtype, str(r.remote).lower()]
-            fams["up"].add_metric(lv, 1.0 if r.alive else 0.0)
-            fams["queue"].add_metric(lv, float(r.assigned))
-            fams["lag"].add_metric(lv, float(self.pool.trainer_version - r.version))
-            fams["tokens"].add_metric(lv, float(r.tokens))
-            tps = r.tokens_per_s(now)
-            if tps is not None:
-                fams["tps"].add_metric(lv, tps)
-            usd = r.usd_per_1k_tokens(now)
-            if usd is not None:
-                fams["usd"].add_metric(lv, usd)
-        kl = GaugeMetricFamily("fleetrl_sampler_mismatch_kl",
-                               "k3 KL of sampler vs trainer log-probs, reported by the trainer",
-                               labels=["actor", "backend", "device", "dtype"])
-        for (backend, device, dtype), value in self.pool.registry.mismatch_kl.items():
-            kl.add_metric([self.actor, backend, device, dtype], value)
-        yield from fams.values()
-        yield kl
-
-
-# -- the actor --------------------------------------------------------------------------------
-
-_CLIENTS: dict[str, SamplerPool] = {}
-_READY: dict[str, trio.Event] = {}
-
-
-async def pool_client(name: str = "pool") -> SamplerPool:
-    """The running pool actor called `name` (waits until it has started)."""
-    while name not in _CLIENTS:
-        ev = _READY.setdefault(name, trio.Event())
-        await ev.wait()
-    return _CLIENTS[name]
-
-
-def read_fleet_token(path: Path) -> str:
-    """The fleet token in `path`, created (random, mode 0600) when missing."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        token = secrets.token_urlsafe(32)
-        fd = path.open("x", encoding="utf-8")
-        with fd:
-            path.chmod(0o600)
-            fd.write(token + "\n")
-    token = path.read_text(encoding="utf-8").strip()
-    if not token:
-        raise ValueError(f"fleet token file {path} is empty")
-    return token
-
-
-def token_matches(given: str, token: str) -> bool:
-    return hmac.compare_digest(given.encode(), token.encode())
-
-
-def _backend_factory(sc: LocalSamplerConfig) -> Callable[[], Any]:
-    def build() -> Any:
-        if sc.backend == "torch":
-            from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
-            return TorchBackend(TorchBackendConfig(model_dir=sc.model_dir, dtype=sc.dtype, device=sc.device))
-        from fleetrl.actors.samplers import vllm_backend
-        return vllm_backend.VllmBackend(vllm_backend.VllmBackendConfig(model_dir=sc.model_dir, dtype=sc.dtype))
-    return build
-
-
-async def run(cfg: PoolConfig, ctx: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """The sampler pool actor (see the module docstring)."""
-    from .remote_server import fleet_app
-
-    pool = SamplerPool(policy=cfg.policy, max_staleness=cfg.max_staleness, max_latency_s=cfg.max_latency_s,
-                       request_timeout_s=cfg.request_timeout_s, max_tries=cfg.max_tries,
-                       attempts_per_step=cfg.attempts_per_step, affinity=cfg.affinity, log=ctx.log)
-    collector = PoolMetrics(pool, ctx.name)
-    ctx.metrics.registry.register(collector)
-    reply = ctx.sender(cfg.reply_to) if cfg.reply_to else None
-    source = None
-    if cfg.weights_dir is not None:
-        from fleetrl.actors.weights.follower import StoreSource
-        from fleetrl.actors.weights.store import LocalDirStore
-
-        from .local import AsyncStoreSource
-        source = AsyncStoreSource(StoreSource(LocalDirStore(cfg.weights_dir)))
-    try:
-        async with trio.open_nursery() as nursery:
-            if cfg.join:
-                token_path = Path(cfg.fleet_token_file) if cfg.fleet_token_file else ctx.state_dir / "fleet_token"
-                token = read_fleet_token(token_path)
-                ctx.mount(cfg.join_prefix, fleet_app(pool, token=token, run_id=ctx.run_id,
-                                                     heartbeat_s=cfg.heartbeat_s,
-                                                     heartbeat_timeout_s=cfg.heartbeat_timeout_s),
-                          auth=False)
-            for sc in cfg.samplers:
-                on_start = None
-                if source is not None:
-                    on_start = _follower_for(pool, source, nursery)
-                nursery.start_soon(lambda sc=sc, on_start=on_start: pool.keep_local(
-                    sc.id, _backend_factory(sc), price_per_hour=sc.price_per_hour, capacity=sc.capacity,
-                    restart_backoff_s=cfg.restart_backoff_s, on_start=on_start, max_batch=sc.max_batch))
-            nursery.start_soon(pool.health_loop, cfg.health_interval_s)
-            _CLIENTS[ctx.name] = pool
-            _READY.pop(ctx.name, trio.Event()).set()
-            task_status.started()
-
-            async def answer(req: m.GenerateRequest) -> None:
-                result = await pool.generate(req)
-                if reply is not None:
-                    await reply.send(result)
-
-            async for msg in ctx.inbox:
-                if isinstance(msg, m.GenerateRequest):
-                    await ctx.wait_unpaused()
-                    nursery.start_soon(answer, msg)
-                elif isinstance(msg, m.WeightVersionAvailable):
-                    pool.announce(msg, nursery)
-                    ctx.report_version("trainer", msg.version)
-                elif isinstance(msg, m.SamplerStatus):
-                    pool.set_sampler_version(msg.sampler_id, msg.version, msg.digest)
-                else:
-                    ctx.log.warning("message ignored", type=type(msg).__name__)
-            # inbox ended (shutdown): let in-flight requests finish, then stop the samplers
-            while pool.registry.records() and any(r.assigned for r in pool.registry.records()):
-                await trio.sleep(0.05)
-            nursery.cancel_scope.cancel()
-    finally:
-        _CLIENTS.pop(ctx.name, None)
-        ctx.metrics.registry.unregister(collector)
-
-
-def _follower_for(pool: SamplerPool, source: Any, nursery: trio.Nursery
-                  ) -> Callable[[LocalSampler], Awaitable[None]]:
-    """Make each new local sampler follow the delta store: sync now and on every version."""
-    from .local import WeightSync
-
-    async def start(sampler: LocalSampler) -> None:
-        sync = WeightSync(sampler.backend, source)
-        lock = trio.Lock()
-
-        async def follow(_msg: m.WeightVersionAvailable | None = None) -> None:
-            if sampler.sampler_id not in pool.handles or pool.handles[sampler.sampler_id] is not sampler:
-                return
-            async with lock:
-                try:
-                    v = await sync.sync()
-                except Exception as exc:
-                    pool._emit("weight sync failed", sampler=sampler.sampler_id,
-                               error=f"{type(exc).__name__}: {exc}", level="warning")
-                    return
-                pool.set_sampler_version(sampler.sampler_id, v.version, v.digest)
-
-        pool.on_version(follow)
-        if pool.latest is not None:
-            nursery.start_soon(follow)
-    return start
