@@ -39,7 +39,9 @@ DEFAULT_IGNORED = {"SIGCHLD", "SIGCONT", "SIGWINCH", "SIGURG", "SIGKILL", "SIGST
 
 
 class ResetFailed(Exception):
-    pass
+    """The sandbox could not be brought back to a clean state; the batch stops. This
+    program's own error, not one of fleetrl.sandboxes (``SandboxError``): it runs
+    inside the container, where nothing of ours is installed."""
 
 
 def protect():
