@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import blosc2
 import numpy as np
 
+from .errors import StreamError
 from .version import parallel_map
 
 __all__ = ["PART_BYTES", "ONE_BLOCK_FROM", "Part", "StreamError", "pack", "split", "decompress_into"]
@@ -45,10 +46,6 @@ changing statistics of successive tensors and are 0.2 points smaller there
 
 Part = tuple[memoryview, int, int]
 """One stored part and the raw byte range ``[lo, hi)`` of its stream it decompresses to."""
-
-
-class StreamError(ValueError):
-    """A stored stream is malformed (the codec re-raises it as DeltaFormatError)."""
 
 
 def pack(arrays: Sequence[np.ndarray], cparams: Callable[[int, int], dict], part_bytes: int,
