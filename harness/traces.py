@@ -27,6 +27,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .errors import HarnessError
 from .tasks import (
     DEFAULT_IMAGE,
     DEFAULT_WORKDIR,
@@ -162,7 +163,9 @@ class ImportResult(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- conversion
 
 
-class _Skip(Exception):
+class _Skip(HarnessError):
+    """A trace line that makes no task: the field at fault and why (a `SkippedLine`)."""
+
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(reason)
         self.field = field
