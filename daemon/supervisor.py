@@ -46,12 +46,12 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import msgspec
 import structlog
 import trio
 
 from .actor import ActorContext, CheckpointHook, Gate
 from .checkpoint import CheckpointStore
+from .checkpointing import Checkpointer
 from .config import ActorSpec, Config
 from .control import MountTable, build_app, serve_control
 from .faults import ActorEscalated, ExitCode
@@ -62,7 +62,6 @@ from .state import StateDir
 
 __all__ = ["ActorRecord", "Supervisor", "run_inline"]
 
-_encoder = msgspec.msgpack.Encoder()
 #: after a forced exit, seconds before the process leaves with os._exit(4) regardless
 FORCE_EXIT_AFTER_S = 5.0
 
@@ -128,7 +127,6 @@ class Supervisor:
         self.gate = Gate()
         self.draining_event = trio.Event()
         self.mounts = MountTable()
-        self.store = CheckpointStore(state.checkpoints, keep=config.daemon.checkpoint_keep)
         self.metrics = MetricsRegistry()
         self._kmetrics = KernelMetrics(self.metrics, uptime=self.uptime,
                                        inbox_stats=self.inbox_stats,
@@ -141,11 +139,11 @@ class Supervisor:
         self._inboxes: dict[str, tuple[trio.MemorySendChannel[Any],
                                        trio.MemoryReceiveChannel[Any]]] = {
             s.name: trio.open_memory_channel(s.inbox) for s in config.actors}
-        self._hooks: dict[str, CheckpointHook] = {}
         self._handles = HandleTable([s.name for s in config.actors])
-        self._states: dict[str, Any] = {}
-        self._last_checkpoint: dict[str, Any] | None = None
-        self._ckpt_lock = trio.Lock()
+        self._ckpt = Checkpointer(
+            CheckpointStore(state.checkpoints, keep=config.daemon.checkpoint_keep), run_id=self.run_id,
+            order=[s.name for s in config.actors], timeout_s=config.daemon.checkpoint_timeout_s,
+            run_blocking=self._blocking, metrics=self._kmetrics, log=self.log)
         self._shutdown = trio.Event()
         self._shutdown_reason = ""
         self._forced = False
@@ -178,7 +176,7 @@ class Supervisor:
         return await self._blocking(fn, *args)
 
     def set_hook(self, name: str, hook: CheckpointHook) -> None:
-        self._hooks[name] = hook
+        self._ckpt.hooks[name] = hook
 
     def report_version(self, actor: str, key: str, value: Any) -> None:
         self._records[actor].versions[key] = value
@@ -234,7 +232,7 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         stats = self.inbox_stats()
         records = self.actor_statistics()
-        last = self._last_checkpoint
+        last = self._ckpt.last
         return {
             "run_id": self.run_id, "instance_id": self.instance_id,
             "uptime_s": round(self.uptime(), 3), "phase": self._phase,
@@ -252,7 +250,7 @@ class Supervisor:
                   task_status: trio.TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED,
                   ) -> ExitCode:
         """Run until shutdown or escalation; returns the process exit code."""
-        await self._restore()
+        await self._ckpt.restore()
         stop_http = trio.Event()
         async with trio.open_nursery() as root:
             self._root = root.cancel_scope
@@ -333,7 +331,7 @@ class Supervisor:
                 ctx = ActorContext(
                     name=spec.name, kernel=self, inbox=self._inboxes[spec.name][1].clone(),
                     state_dir=self.state.actor_dir(spec.name),
-                    restored=self._states.get(spec.name), incarnation=rec.incarnation,
+                    restored=self._ckpt.states.get(spec.name), incarnation=rec.incarnation,
                     log=log, metrics=ActorMetrics(self.metrics, spec.name),
                     previous_handle=self._handles.previous(spec.name))
                 try:
@@ -400,57 +398,9 @@ class Supervisor:
                     self.force_exit(f"second signal {name}")
 
     # -- checkpoints -----------------------------------------------------------------
-    async def _restore(self) -> None:
-        ckpt, problems = await self._blocking(self.store.load_latest)
-        for problem in problems:
-            self.log.warning("checkpoint unusable; falling back to an older one",
-                             problem=problem)
-        if ckpt is not None:
-            self._states = dict(ckpt.actors)
-            self._last_checkpoint = {"seq": ckpt.seq, "written_at": ckpt.written_at,
-                                     "restored": True}
-            self.log.info("restored checkpoint", seq=ckpt.seq, actors=sorted(ckpt.actors))
-
     async def checkpoint(self, reason: str = "requested") -> None:
-        """Run every hook and write one checkpoint (serialised with other writes).
-
-        A hook that raises, times out or returns something msgpack cannot encode is
-        logged and its previous state kept, so nothing already checkpointed is lost.
-        """
-        async with self._ckpt_lock:
-            t0 = time.monotonic()
-            states = dict(self._states)
-            with trio.move_on_after(self.config.daemon.checkpoint_timeout_s) as scope:
-                for name, hook in self._hooks_producers_first():
-                    try:
-                        value = await hook()
-                        _encoder.encode(value)
-                    except Exception as exc:
-                        self._kmetrics.checkpoint_errors.labels(actor=name).inc()
-                        self.log.error("checkpoint hook failed; keeping its previous state",
-                                       failed_actor=name, error=_describe(exc))
-                        continue
-                    states[name] = value
-            if scope.cancelled_caught:
-                self.log.error("checkpoint hooks timed out; writing what was collected",
-                               timeout_s=self.config.daemon.checkpoint_timeout_s)
-            ckpt = await self._blocking(self.store.write, self.run_id, states)
-            self._states = states
-            self._last_checkpoint = {"seq": ckpt.seq, "written_at": ckpt.written_at,
-                                     "reason": reason}
-            self._kmetrics.checkpoints.inc()
-            self._kmetrics.checkpoint_seconds.observe(time.monotonic() - t0)
-            self.log.info("checkpoint written", seq=ckpt.seq, reason=reason,
-                          actors=sorted(states))
-
-    def _hooks_producers_first(self) -> list[tuple[str, CheckpointHook]]:
-        """Hooks in reverse start (``after``) order: an actor is captured before the
-        actors it was started after. A producer is normally started after its consumer,
-        so whatever a producer's state counts as sent was sent before the consumer's
-        state is captured: it is in the consumer's snapshot, or still in its inbox
-        (where the consumer's hook can take it), never in neither."""
-        rank = {spec.name: i for i, spec in enumerate(self.config.actors)}
-        return sorted(self._hooks.items(), key=lambda item: -rank.get(item[0], -1))
+        """Run every hook and write one checkpoint (`Checkpointer.write`)."""
+        await self._ckpt.write(reason)
 
     async def _periodic_checkpoints(self) -> None:
         interval = self.config.daemon.checkpoint_interval_s
