@@ -7,7 +7,7 @@ then), and loops over ``ctx.inbox``. The handle is what other actors get from
 ``await ctx.handle(name)`` (the kernel keeps it; no module globals) and what the
 control plane reads: its ``statistics()``, a frozen record, is shown under the actor
 in /status and exported as ``fleetrl_actor_statistic`` in /metrics
-(docs/daemon.md, "Writing an actor"). The context gives it:
+(docs/guides/daemon.md, "Writing an actor"). The context gives it:
 
 - identity: ``name``, ``run_id``, ``instance_id``, ``incarnation`` (1, 2, ... per restart)
 - ``state_dir``: a private scratch directory under ``<state>/actors/NAME``

@@ -16,7 +16,7 @@ Each conversation is a closed tagged union wrapped in a `Codec` (see `protocol`)
 
 Per-token arrays travel as `Tensor` (raw bytes), not as lists of numbers: for a
 typical trajectory (2,000 generated tokens, support K=20) encode+decode is 25-65x
-faster and the frame a third smaller (docs/protocol.md has the figures). Token ids are int32 or int64; log-probabilities float32 or float64; CSR
+faster and the frame a third smaller (docs/reference/protocol.md has the figures). Token ids are int32 or int64; log-probabilities float32 or float64; CSR
 offsets int64; weight versions int32 or int64. Cross-field invariants (equal lengths,
 well-formed CSR) are checked on construction and on decode, so a receiver never sees
 a message whose arrays disagree.

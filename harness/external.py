@@ -27,7 +27,7 @@ The harness runs *beside* the sandbox: it never gets the sandbox's network (ther
 none) nor general access to ours beyond what the host gives the command; it acts in the
 sandbox through its own extension point (for mini-swe-agent, the environment class
 `fleetrl.harness.mswea_env.FleetrlSandboxEnvironment`, which runs each action with
-``docker exec`` as the sandbox user in the work dir). docs/external-harness.md is the
+``docker exec`` as the sandbox user in the work dir). docs/guides/external-harness.md is the
 user's guide.
 """
 
@@ -71,7 +71,7 @@ ENV_VARS = {
     "FLEETRL_MODEL": "the model name the endpoint serves",
     "FLEETRL_ATTEMPT_ID": "the attempt's id",
     "FLEETRL_TASK_ID": "the task's id",
-    "FLEETRL_TASK_FILE": "the task as JSON (the task format of docs/tasks.md)",
+    "FLEETRL_TASK_FILE": "the task as JSON (the task format of docs/guides/tasks.md)",
     "FLEETRL_PROMPT_FILE": "the task's request as text (the prompt, or the messages' last user content)",
     "FLEETRL_MAX_TURNS": "task.limits.max_turns",
     "FLEETRL_SANDBOX_CONTAINER": "the sandbox's Docker container id (when the sandbox has one)",

@@ -1,7 +1,7 @@
 """The OpenAI-compatible, token-recording endpoint (a Starlette ASGI app).
 
 Routes: ``POST /v1/chat/completions`` (``stream`` false or true), ``POST
-/v1/completions`` (likewise), ``GET /v1/models``. docs/openai-endpoint.md is the
+/v1/completions`` (likewise), ``GET /v1/models``. docs/reference/openai-endpoint.md is the
 user's guide; in short:
 
 * Every call belongs to an attempt. The environment worker opens one with

@@ -10,7 +10,7 @@ This module is their public API, gathered from where each part is defined:
 * ``harness/programs/synthetic_check.py``: the checker program the evaluator runs;
 * `synthetic_local`: that checker run on this machine, for tests and quick scores.
 
-docs/synthetic-tasks.md describes the format end to end.
+docs/reference/synthetic-tasks.md describes the format end to end.
 
 Prompt and completion (a raw completion, no chat template)::
 
@@ -20,7 +20,7 @@ Prompt and completion (a raw completion, no chat template)::
     <eos>                                        <- ... then the stop marker
 
 The prompt is compact (about 50 bytes) because the model is a ~2M-parameter byte-level
-model: every byte is a token, and the examples are what it must read (docs/warmup.md
+model: every byte is a token, and the examples are what it must read (docs/results/warmup.md
 has the measurements that chose this layout over a verbose one).
 
 The model writes the indented body after the signature line and stops with the

@@ -7,7 +7,7 @@ whose exit code or output gives a reward in [0, 1].
 
 Tasks cross process and file boundaries (user JSONL files, trace imports, the
 synthetic family, environment workers), so they are frozen msgspec Structs with a
-JSONL form documented in docs/tasks.md. New fields are only ever appended with
+JSONL form documented in docs/guides/tasks.md. New fields are only ever appended with
 defaults, so older files keep loading.
 
 Validation lives in the structs (``Meta`` constraints and ``__post_init__``, which

@@ -3,7 +3,7 @@
 A task names the sandbox image, the files and commands that build the starting
 state, what the model is asked (a prompt, or a conversation prefix), the limits of
 one attempt and the evaluator: a shell command run in the sandbox after the attempt
-whose exit code or output gives a reward in [0, 1]. docs/tasks.md documents the
+whose exit code or output gives a reward in [0, 1]. docs/guides/tasks.md documents the
 JSONL form.
 
 This module gathers the names from where they are defined:

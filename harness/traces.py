@@ -1,7 +1,7 @@
 """Production traces -> tasks (pure: lines in, tasks and a report out).
 
 A trace is one recorded session of the deployed agent, one JSON object per line
-(schema in docs/tasks.md, "Trace input"): its OpenAI-format ``messages``, how it went
+(schema in docs/guides/tasks.md, "Trace input"): its OpenAI-format ``messages``, how it went
 (``outcome`` and/or ``score``), the starting state it worked in (``workspace``: files
 and setup commands) and the criteria that judged it (``eval``).
 

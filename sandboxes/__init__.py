@@ -7,7 +7,7 @@ and an orphan sweep. Embeddable alone: imports nothing else of fleetrl.
         async with pool.lease() as sb:
             r = await sb.exec("python3 -c 'print(6*7)'", timeout=10)
 
-See docs/sandboxes.md for what is isolated and what is not.
+See docs/reference/sandboxes.md for what is isolated and what is not.
 """
 
 from .batch import ExecSpec

@@ -245,7 +245,7 @@ def _add_state_dir(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    """Add the ``sandbox`` command group (contract: docs/contracts.md, CLI command groups)."""
+    """Add the ``sandbox`` command group (contract: docs/reference/contracts.md, CLI command groups)."""
     from .image import DEFAULT_IMAGE
 
     sp = subparsers.add_parser("sandbox", help="Docker sandboxes: image, run, ls, sweep, humaneval")

@@ -10,7 +10,7 @@ Problems go ``batch_size`` at a time through one lease and one engine exec
 (``Sandbox.exec_many``: each still starts in a freshly reset sandbox with its own
 timeout; the results equal one exec per problem). These are the package's own
 solutions, one owner's programs; untrusted attempts of different tasks belong in one
-lease each (``batch_size=1``), see docs/sandboxes.md "Batches".
+lease each (``batch_size=1``), see docs/reference/sandboxes.md "Batches".
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ async def _run_batch(
 
 
 DEFAULT_BATCH_SIZE = 8
-"""Problems per engine exec in ``run_humaneval`` (measured: see docs/sandboxes.md)."""
+"""Problems per engine exec in ``run_humaneval`` (measured: see docs/results/benchmarks.md)."""
 
 
 async def run_humaneval(

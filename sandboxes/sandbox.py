@@ -165,7 +165,7 @@ class Sandbox:
 
         Programs of one batch share the container one after another: use it for
         programs of one owner (e.g. one evaluation), not to mix untrusted attempts of
-        different tasks (see docs/sandboxes.md).
+        different tasks (see docs/reference/sandboxes.md).
         """
         progs = [prepare(i, p, self.limits) for i, p in enumerate(programs)]
         if not progs:

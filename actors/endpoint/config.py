@@ -1,4 +1,4 @@
-"""Settings of the endpoint actor (``[actors.NAME.config]``; docs/openai-endpoint.md)."""
+"""Settings of the endpoint actor (``[actors.NAME.config]``; docs/reference/openai-endpoint.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class EndpointActorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Settings of the endpoint actor (``[actors.NAME.config]``; see docs/openai-endpoint.md)."""
+    """Settings of the endpoint actor (``[actors.NAME.config]``; see docs/reference/openai-endpoint.md)."""
 
     model: LocalModel | PoolModel
     """``{kind = "local", model_dir = ...}`` or ``{kind = "pool", pool = "pool", tokenizer_dir = ...}``."""

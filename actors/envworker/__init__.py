@@ -6,7 +6,7 @@ sources), `model` (model clients: a local torch backend, or the sampler pool),
 `sandboxing` (lazy leases, group scoring with one ``exec_many``), `attempt` (one
 attempt: lease, harness, score), `pacing` (groups through the pool's staleness pacer),
 `harnesses` (loading a harness), `worker` (the task loop), `actor` (the actor
-``fleetrl.actors.envworker:run``). docs/envworkers.md is the guide.
+``fleetrl.actors.envworker:run``). docs/reference/envworkers.md is the guide.
 """
 
 from .config import (

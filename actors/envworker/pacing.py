@@ -3,7 +3,7 @@
 A group's G slots are admitted by the pool's pacer (`fleetrl.actors.pool.pacing`),
 consecutively, before its attempts start; they are always finished in the pacer when
 the group ends (cancellation included); groups are sent in the pool's release order
-(admission order), the order the pacer's bound assumes (docs/envworkers.md).
+(admission order), the order the pacer's bound assumes (docs/reference/envworkers.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ records and cost measurement). I/O around it: `local` (a backend in a worker thr
 (`PoolConfig`), `actor` (the actor ``fleetrl.actors.pool:run``), `auth` (the fleet
 token), `metrics` (per-sampler Prometheus series), `remote_server` (the join WebSocket
 endpoint), `remote_client` (the remote sampler process), `cli` (``fleetrl sampler``).
-docs/fleet.md is the guide.
+docs/guides/fleet.md is the guide.
 """
 
 from .actor import Inbox, run

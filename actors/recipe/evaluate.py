@@ -4,7 +4,7 @@ pass@1 here: one completion per task, sampled by the torch sampler backend with 
 RL phase's sampling settings (temperature 1.0, top_p 0.95 by default), stopped at the
 EOS id; a task counts as solved when its completion passes *every* hidden test
 (reward 1.0). The evaluation sets are `generate_tasks(n, split="fresh" | "general",
-seed=...)` (docs/synthetic-tasks.md). The rate comes with a Wilson 95% interval
+seed=...)` (docs/reference/synthetic-tasks.md). The rate comes with a Wilson 95% interval
 (`pass_rate_with_ci`), so comparisons (warm-up vs random init, RL vs warm-up) can
 be made with a statistical margin.
 

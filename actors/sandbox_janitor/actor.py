@@ -4,7 +4,7 @@ At start (before the actors that lease sandboxes, which name it in ``after``) it
 removes every container labelled with this daemon's state directory whose owner is
 not this daemon instance: those were leaked by a daemon that was killed (SIGKILL, OOM,
 power loss) before it could remove them. The daemon holds the state directory's lock,
-so no other live daemon can own them (docs/contracts.md). Containers without our
+so no other live daemon can own them (docs/reference/contracts.md). Containers without our
 labels are never touched. With ``interval_s`` > 0 it sweeps again periodically. It
 reads no messages.
 

@@ -1,4 +1,4 @@
-"""The trainer actor: a thin Trio loop around `Trainer` (docs/trainer.md).
+"""The trainer actor: a thin Trio loop around `Trainer` (docs/reference/trainer.md).
 
 Reads `RolloutGroup`s from its inbox, judges each with the rollout buffer (staleness,
 zero variance, duplicates, malformed groups), trains whenever ``groups_per_step`` are

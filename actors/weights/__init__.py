@@ -8,7 +8,7 @@ delta codec's front: encode / read / parse / apply / compose, from :mod:`.delta`
 I/O around it: :mod:`.store` (content-addressed blob stores), :mod:`.publisher` (trainer
 side), :mod:`.follower` (sampler side, every precision), :mod:`.http` (ASGI app and httpx
 client). Every error derives from :class:`DeltaError` (:mod:`.errors`). Format:
-docs/delta-format.md.
+docs/reference/delta-format.md.
 """
 
 from .delta import Delta, PackedDelta

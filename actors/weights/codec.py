@@ -25,7 +25,7 @@ bytes, every sparse chunk's in chunk order) and dense words (uint16); each is co
 with blosc2 (by default zstd level 1). The header carries the run, model fingerprint,
 base/target version and digest, the chunk table (kinds; entries and tail bytes of each
 sparse chunk; each changed chunk's target hash) and each stream's hash; a trailer hash
-covers every byte. The byte layout is in docs/delta-format.md.
+covers every byte. The byte layout is in docs/reference/delta-format.md.
 
 An *anchor* is a delta whose base is the all-zero model (base version ``NO_VERSION``):
 applying it to zeroed weights yields the version, so anchors, deltas and their

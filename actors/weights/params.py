@@ -29,7 +29,7 @@ class CodecParams(msgspec.Struct, frozen=True):
     part_bytes: int = streams.PART_BYTES  # raw bytes per stored part (any size reads back)
     dense_threshold: float = 0.25  # changed fraction above which a chunk goes dense
     # blosc2 threads per stream part; 0: one (parts already run on the codec's worker
-    # threads, and one thread keeps the bytes reproducible, see docs/delta-format.md)
+    # threads, and one thread keeps the bytes reproducible, see docs/reference/delta-format.md)
     nthreads: int = 0
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """The stored form of a delta's streams (pure, no I/O): parts, blosc2 settings, checks.
 
 A stored stream is a u32 part count, the u64 stored size of each part, then the parts,
-each one blosc2 chunk (docs/delta-format.md, "Streams"); the writer picks the part size
+each one blosc2 chunk (docs/reference/delta-format.md, "Streams"); the writer picks the part size
 (:data:`PART_BYTES` by default), a reader takes any. This module cuts raw streams into
 parts and compresses them, splits stored streams back into parts with every size
 checked, and decompresses one part into a slice of a preallocated output. Which parts

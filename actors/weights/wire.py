@@ -1,7 +1,7 @@
 """A delta's bytes (format version 2): :func:`serialize` writes them; :func:`read` checks
 them without decompressing anything and :func:`parse` decodes them too.
 
-The byte layout is in docs/delta-format.md: a fixed header, the run id, the stream
+The byte layout is in docs/reference/delta-format.md: a fixed header, the run id, the stream
 table (stored length, raw length and hash of each of :data:`.delta.STREAMS`), the chunk
 kinds, the sparse chunks' table, the changed chunks' target hashes, the stored streams
 (:mod:`.streams`), and a trailer hash over every byte before it. Pure; see :mod:`.codec`.
@@ -31,7 +31,7 @@ _ITEMSIZE = (1, 1, 1, 1, 2)
 
 
 def serialize(d: Delta, params: CodecParams = DEFAULT_PARAMS, *, threads: int | None = None) -> bytes:
-    """Bytes of ``d`` in format version 2 (docs/delta-format.md); stream parts are
+    """Bytes of ``d`` in format version 2 (docs/reference/delta-format.md); stream parts are
     compressed on ``threads`` workers."""
     run = d.run.encode()
     if len(run) > 0xFFFF:
