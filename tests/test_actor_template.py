@@ -1,4 +1,4 @@
-"""Every actor follows the one template (docs/daemon.md, "Writing an actor").
+"""Every actor follows the one template (docs/guides/daemon.md, "Writing an actor").
 
 For every factory the shipped configs name (configs/*.toml, the daemon's default
 config) and every ``fleetrl.*:run`` factory the docs and tests name:

@@ -204,3 +204,33 @@ def test_the_checker_catches_what_it_should(tmp_path: Path):
     assert anchors(tmp_path / "a.md") == {"title", "second-part-xpy"}
     dest, anchor = resolve(page, "a.md#nothing")
     assert dest == tmp_path / "a.md" and anchor not in anchors(dest)
+
+
+def code_files() -> list[Path]:
+    """Source, tests, configs and scripts of the repository (not the virtual environment)."""
+    skip = {".venv", ".git", "node_modules", "build", "dist", ".hypothesis", ".pytest_cache"}
+    out = []
+    for path in ROOT.rglob("*"):
+        if any(part in skip for part in path.relative_to(ROOT).parts):
+            continue
+        if path.is_file() and path.suffix in {".py", ".toml", ".sh", ".cfg", ".yaml", ".yml"}:
+            out.append(path)
+    return sorted(out)
+
+
+def test_docs_paths_named_in_code_exist():
+    """Code, tests and configs that name a docs file (in a comment, an error message, or a
+    path a test reads) name one that exists; a page moved under guides/ or reference/
+    must take its readers along."""
+    missing = []
+    for path in code_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for n, line in enumerate(text.splitlines(), 1):
+            for m in DOCS_PATH.finditer(line):
+                if not (ROOT / m.group(0)).exists():
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)} does not exist")
+            for m in re.finditer(r'"docs"((?:\s*/\s*"[^"]+")+)', line):
+                parts = re.findall(r'"([^"]+)"', m.group(1))
+                if not (DOCS.joinpath(*parts)).exists():
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: docs/{'/'.join(parts)} does not exist")
+    assert not missing, "\n".join(missing)

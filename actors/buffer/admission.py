@@ -37,6 +37,8 @@ import msgspec
 
 from fleetrl.daemon.messages import RolloutGroup
 
+from .errors import BadGroup, BufferFull
+
 __all__ = [
     "Admitted",
     "BadGroup",
@@ -72,14 +74,6 @@ class BufferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"BufferConfig.max_staleness must be >= 0, got {self.max_staleness}")
         if self.capacity < 1:
             raise ValueError(f"BufferConfig.capacity must be >= 1, got {self.capacity}")
-
-
-class BufferFull(RuntimeError):
-    """`offer` on a full buffer: the group was not taken; train, then offer it again."""
-
-
-class BadGroup(ValueError):
-    """A group the buffer cannot judge (e.g. tokens from a version the trainer never had)."""
 
 
 class Admitted(msgspec.Struct, frozen=True, tag=True):

@@ -24,13 +24,10 @@ import msgspec
 
 from fleetrl.daemon.messages import RolloutFailed, RolloutGroup, Trajectory
 
+from .errors import GroupStateError
 from .policy import RetryPolicy
 
 __all__ = ["AttemptTicket", "GroupResult", "GroupStateError", "GroupTracker"]
-
-
-class GroupStateError(RuntimeError):
-    """A ticket ended twice, or a ticket the tracker did not issue was reported."""
 
 
 class AttemptTicket(msgspec.Struct, frozen=True, kw_only=True):

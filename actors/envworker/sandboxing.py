@@ -38,14 +38,11 @@ from fleetrl.harness.protocol import SetupFailed, prepare_sandbox
 from fleetrl.harness.tasks import GROUP_DIR, EvaluatorOutputError, Task, reward_from_evaluator, split_group_output
 from fleetrl.sandboxes import ExecSpec, Limits, SandboxError
 
+from .errors import FilesOnlyError
 from .score_batches import ScoreBatcher
 
 __all__ = ["FileRecorder", "FilesOnlyError", "GroupScorer", "LazySandbox", "Scored", "ScoringFailed",
            "group_scoring_spec", "scoring_spec"]
-
-
-class FilesOnlyError(RuntimeError):
-    """A harness that declared ``sandbox_use = "files"`` called ``exec`` or ``read_file``."""
 
 
 class Scored(msgspec.Struct, frozen=True):

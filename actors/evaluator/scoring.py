@@ -16,6 +16,8 @@ and is counted in `SandboxScores.errors` (a completion that hangs fails its task
 
 from __future__ import annotations
 
+from importlib import resources
+
 import json
 from collections.abc import Sequence
 from typing import Any, Final
@@ -26,6 +28,8 @@ from fleetrl.actors.recipe.evaluate import CHECKER_DRIVER, CHECKER_STDOUT_FILE
 from fleetrl.harness.synthetic import CHECK_FILE, SOLUTION_FILE, solution_text
 from fleetrl.harness.tasks import EvaluatorOutputError, Task, reward_from_evaluator
 
+from .errors import ScoringError
+
 __all__ = ["SandboxScores", "ScoringError", "bundle_files", "rewards_from_report", "score_in_sandbox"]
 
 ROOT: Final = "e"
@@ -33,37 +37,8 @@ DRIVER_FILE: Final = "driver.py"
 WRAPPER_FILE: Final = "score.py"
 STDOUT_TAIL: Final = 2000
 
-# Runs in the sandbox under `python3 -I -S` (stdlib only). argv: root, n, parallel,
-# timeout, checker file. Prints one JSON line: [[status, stdout_tail], ...] in task order.
-_WRAPPER: Final = r"""
-import json, os, subprocess, sys
-root, n, parallel, timeout, check = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-here = os.getcwd()
-dirs = [os.path.join(here, root, str(i)) for i in range(n)]
-done = subprocess.run([sys.executable, "-I", "-S", os.path.join(here, "driver.py"), parallel, timeout, check],
-                      input="\n".join(dirs) + "\n", capture_output=True, text=True)
-if done.returncode != 0:
-    print(json.dumps({"error": "driver exited %d: %s" % (done.returncode, done.stderr[-2000:])}))
-    sys.exit(3)
-status = {}
-for line in done.stdout.splitlines():
-    if line.strip():
-        i, s = line.split()
-        status[int(i)] = int(s)
-out = []
-for i, d in enumerate(dirs):
-    try:
-        with open(os.path.join(d, "STDOUT_FILE"), encoding="utf-8", errors="replace") as fh:
-            text = fh.read()
-    except OSError:
-        text = ""
-    out.append([status.get(i), text[-TAIL:]])
-print(json.dumps(out))
-""".replace("STDOUT_FILE", CHECKER_STDOUT_FILE).replace("TAIL", str(STDOUT_TAIL))
-
-
-class ScoringError(RuntimeError):
-    """The sandboxed scoring run itself failed (not a completion's fault)."""
+WRAPPER: Final = (resources.files(__package__) / "programs" / "score.py").read_text(encoding="utf-8")
+"""The wrapper program run in the sandbox (`programs/score.py`; its docstring has its argv)."""
 
 
 class SandboxScores(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,7 +52,7 @@ def bundle_files(tasks: Sequence[Task], completions: Sequence[str]) -> dict[str,
     """Every file the sandbox needs, relative to its work dir (pure)."""
     if len(tasks) != len(completions):
         raise ValueError(f"{len(tasks)} tasks but {len(completions)} completions")
-    files: dict[str, str] = {DRIVER_FILE: CHECKER_DRIVER, WRAPPER_FILE: _WRAPPER}
+    files: dict[str, str] = {DRIVER_FILE: CHECKER_DRIVER, WRAPPER_FILE: WRAPPER}
     for i, (task, completion) in enumerate(zip(tasks, completions, strict=True)):
         if task.evaluator.command != f"python3 -I -S {CHECK_FILE}" or CHECK_FILE not in task.setup.files:
             raise ValueError(f"task {task.id!r} is not a synthetic task (its evaluator is "
@@ -89,7 +64,8 @@ def bundle_files(tasks: Sequence[Task], completions: Sequence[str]) -> dict[str,
 
 
 def wrapper_argv(n: int, *, parallel: int, timeout_s: float) -> list[str]:
-    return ["python3", "-I", "-S", WRAPPER_FILE, ROOT, str(n), str(parallel), repr(timeout_s), CHECK_FILE]
+    return ["python3", "-I", "-S", WRAPPER_FILE, ROOT, str(n), str(parallel), repr(timeout_s), CHECK_FILE,
+            CHECKER_STDOUT_FILE, str(STDOUT_TAIL)]
 
 
 def rewards_from_report(tasks: Sequence[Task], stdout: str) -> SandboxScores:

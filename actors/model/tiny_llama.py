@@ -23,9 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fleetrl.actors.model.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
 
-
-class ModelDirError(ValueError):
-    """A model directory is missing, incomplete, or holds something other than a Llama."""
+from .errors import ModelDirError
 
 
 class TinyLlamaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

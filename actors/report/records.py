@@ -21,16 +21,14 @@ import msgspec
 from fleetrl.actors.evaluator.records import EvalRecord
 from fleetrl.actors.trainer.step import StepMetrics
 
+from .errors import ReportInputError
+
 __all__ = [
     "EvalRow", "Log", "ReportInputError", "parse_evals", "parse_metrics",
     "read_evals", "read_metrics",
 ]
 
 T = TypeVar("T")
-
-
-class ReportInputError(ValueError):
-    """A metrics or eval file cannot be read; the message names ``file:line``."""
 
 
 EvalRow = EvalRecord

@@ -25,6 +25,8 @@ import posixpath
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .errors import VariantError
+
 __all__ = [
     "EVALUATOR", "POOL", "TRAINER", "VARIANTS", "Variant", "VariantError", "actors_by_factory",
     "apply_variant", "drop_actors", "drop_time_budget", "pool_config", "relocate", "set_max_steps", "synchronous",
@@ -36,10 +38,6 @@ POOL = "fleetrl.actors.pool:run"
 EVALUATOR = "fleetrl.actors.evaluator:run"
 
 Config = dict[str, Any]
-
-
-class VariantError(ValueError):
-    """The config cannot be turned into a variant; the message names the key."""
 
 
 def actors_by_factory(cfg: Mapping[str, Any], factory: str) -> list[str]:

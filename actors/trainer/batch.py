@@ -31,12 +31,9 @@ from fleetrl.daemon.messages import RolloutGroup
 from fleetrl.grpo import group_advantages
 
 from .config import AdvantageConfig
+from .errors import BadBatch
 
 __all__ = ["BadBatch", "Batch", "build_batch", "check_group", "sampler_key"]
-
-
-class BadBatch(ValueError):
-    """A group that cannot become training rows; the message names group, attempt, segment."""
 
 
 def sampler_key(backend: str, dtype: str) -> str:

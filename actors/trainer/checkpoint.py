@@ -21,14 +21,12 @@ from safetensors.torch import save as st_save
 
 from fleetrl.actors.buffer import BufferState, RolloutBuffer
 
+from .errors import CheckpointError
+
 __all__ = ["CheckpointError", "TrainerCheckpoint", "capture", "decode", "encode", "model_fingerprint",
            "restore"]
 
 FORMAT = 1
-
-
-class CheckpointError(ValueError):
-    """A trainer checkpoint that cannot be restored into this model (says why)."""
 
 
 class TrainerCheckpoint(msgspec.Struct, frozen=True, kw_only=True):

@@ -132,7 +132,7 @@ def test_the_guides_config_examples_load_and_match_the_mini_swe_agent_helpers():
 
     from fleetrl.harness.mswea_env import mini_swe_agent_command, mini_swe_agent_env
 
-    guide = (Path(__file__).parents[2] / "docs" / "openai-endpoint.md").read_text()
+    guide = (Path(__file__).parents[2] / "docs" / "reference" / "openai-endpoint.md").read_text()
     section = guide.split("## Serving it from the daemon", 1)[1].split("\n## ", 1)[0]
     blocks = [tomllib.loads(b) for b in re.findall(r"```toml\n(.*?)```", section, re.S)]
     endpoint = msgspec.convert(blocks[0]["actors"]["endpoint"]["config"], EndpointActorConfig)

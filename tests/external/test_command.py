@@ -230,6 +230,6 @@ async def test_timeout_also_stops_what_the_harness_started_in_the_sandbox(tok, s
 def test_the_guide_names_every_variable_and_placeholder():
     from fleetrl.harness.external import ENV_VARS, PLACEHOLDERS
 
-    guide = (Path(__file__).parents[2] / "docs" / "external-harness.md").read_text()
+    guide = (Path(__file__).parents[2] / "docs" / "guides" / "external-harness.md").read_text()
     assert not [v for v in ENV_VARS if f"`{v}`" not in guide]
     assert not [p for p in PLACEHOLDERS if f"`{{{p}}}`" not in guide]

@@ -193,7 +193,7 @@ async def test_recorded_model_always_stops_at_eos(tok):
 def test_the_documented_layout_is_the_one_rendered(tok):
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "openai-endpoint.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "openai-endpoint.md").read_text()
     line = "<bos><|system|>\\n{content}<eos>\\n<|user|>\\n{content}<eos>\\n<|assistant|>\\n"
     assert line in doc
     ids = render_chat(tok, [ChatMessage("system", "S"), ChatMessage("user", "U")])

@@ -321,7 +321,7 @@ def test_the_documented_error_codes_are_the_ones_the_app_uses():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    doc = (root / "docs" / "openai-endpoint.md").read_text()
+    doc = (root / "docs" / "reference" / "openai-endpoint.md").read_text()
     table = doc[doc.index("## Errors"):doc.index("Unknown parameters")]
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     documented = {code for row in rows[1:] for code in re.findall(r"`([a-z_]+)`", row[3])}

@@ -1,0 +1,16 @@
+"""Errors of orchestrating runs (ablation arms, benches).
+
+Every error of `fleetrl.actors.runs` derives from `RunError`; where callers catch a
+builtin (ValueError, RuntimeError) it stays a second base."""
+
+from __future__ import annotations
+
+__all__ = ["RunError", "VariantError"]
+
+
+class RunError(Exception):
+    """Root of the errors of `fleetrl.actors.runs`."""
+
+
+class VariantError(RunError, ValueError):
+    """The config cannot be turned into a variant; the message names the key."""
