@@ -18,11 +18,11 @@ from .config import (
 )
 from .cursor import CursorState, TaskCursor
 from .group import AttemptTicket, GroupResult, GroupStateError, GroupTracker
-from .model import LocalModelClient, PoolModelClient, to_wire_generation
+from .model import LocalModelClient, PoolModelClient
 from .policy import DEFAULT_MAX_TRIES, FAILURE_KINDS, RetryPolicy
 from .worker import group_id_of, load_harness, run, sandbox_limits
 
 __all__ = ["DEFAULT_MAX_TRIES", "FAILURE_KINDS", "AttemptTicket", "CursorState", "EnvWorkerConfig",
            "GroupResult", "GroupStateError", "GroupTracker", "HumanEvalTasks", "JsonlTasks", "LocalModel",
            "LocalModelClient", "PoolModel", "PoolModelClient", "RetryPolicy", "SandboxSettings",
-           "SyntheticTasks", "TaskCursor", "group_id_of", "load_harness", "run", "sandbox_limits", "to_wire_generation"]
+           "SyntheticTasks", "TaskCursor", "group_id_of", "load_harness", "run", "sandbox_limits"]
