@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 setup:
 	@bash scripts/setup.sh
 
-# the embedded default (docs/tiny-run.md); `make run CONFIG=run.toml` for your own
+# the embedded default (docs/guides/tiny-run.md); `make run CONFIG=run.toml` for your own
 run: setup
 	$(VENV)/bin/fleetrl serve --config $(CONFIG)
 

@@ -67,7 +67,7 @@ import trio.testing
 
 from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, load_tiny_llama, read_state_dict, save_tiny_llama
 from fleetrl.actors.pool.local import AsyncStoreSource, LocalSampler, WeightSync
-from fleetrl.actors.pool.pool import SamplerPool
+from fleetrl.actors.pool import SamplerPool
 from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig, measure_mismatch
 from fleetrl.actors.weights import MemoryStore, Publisher, PublisherConfig, StoreSource
 from fleetrl.daemon import messages as m

@@ -16,10 +16,10 @@ real Docker sandboxes of one warm pool per mode:
             in one leased sandbox (one engine round trip per group, a sandbox reset and
             a checker process per attempt);
   ours:     the defaults: the same, but the synthetic task's ``group_command`` scores
-            the whole group in one checker process (docs/tasks.md, "Group evaluation");
+            the whole group in one checker process (docs/guides/tasks.md, "Group evaluation");
   shared:   ours, plus ``score_batching = {max_groups = 8}``: the groups' checkers run
             in batches of up to 8 groups, one lease and one engine exec per batch
-            (docs/envworkers.md, "Scoring several groups at once"; configs/tiny.toml).
+            (docs/reference/envworkers.md, "Scoring several groups at once"; configs/tiny.toml).
 
 Each mode runs ``--rounds`` times (alternating; the first round of each also warms its
 pool), and the best round counts. Printed: attempts/s, CPU seconds of this process and

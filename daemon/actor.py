@@ -2,14 +2,28 @@
 
 An actor is ``async def run(cfg: SomeConfig, ctx: ActorContext, *,
 task_status=trio.TASK_STATUS_IGNORED)``: it validates and prepares, calls
-``task_status.started()`` once ready (actors that list it in ``after`` start only
-then), and loops over ``ctx.inbox``. The context gives it:
+``task_status.started(handle)`` once ready (actors that list it in ``after`` start only
+then), and loops over ``ctx.inbox``. The handle is what other actors get from
+``await ctx.handle(name)`` (the kernel keeps it; no module globals) and what the
+control plane reads: its ``statistics()``, a frozen record, is shown under the actor
+in /status and exported as ``fleetrl_actor_statistic`` in /metrics
+(docs/guides/daemon.md, "Writing an actor"). The context gives it:
 
 - identity: ``name``, ``run_id``, ``instance_id``, ``incarnation`` (1, 2, ... per restart)
 - ``state_dir``: a private scratch directory under ``<state>/actors/NAME``
 - ``inbox`` (bounded ``trio.MemoryReceiveChannel``; a fresh clone per incarnation, so
   messages queued while an actor restarts are kept) and ``sender(name)`` (a clone of
   another actor's inbox; closed by the kernel when this incarnation ends)
+- ``await handle(name)``: the handle actor ``name`` started with (waits until it has
+  started; after a restart, the new incarnation's). Holding it counts as a producer of
+  ``name``'s inbox, so that actor's inbox ends at shutdown only once every holder has
+  returned: an actor that serves through its handle drains by reading its inbox to
+  the end. ``previous_handle``: what this actor's previous incarnation started with
+  (None on the first), for state that should outlive a restart
+- ``clock()`` and ``await run_blocking(fn, *args)``: the kernel's clock (seconds,
+  monotonic) and its way of running blocking work (a worker thread). Tests that run
+  the supervisor on Trio's autojump clock inject both (`Supervisor`'s ``clock`` and
+  ``run_blocking``), so an actor's time budgets run on virtual time
 - ``log``: structlog logger bound with ``actor`` and ``run_id``
 - ``metrics``: Prometheus helpers that label with ``actor``
 - ``paused`` / ``wait_unpaused()``: operator pause (POST /pause); check before taking work
@@ -71,8 +85,9 @@ class ActorContext:
 
     def __init__(self, *, name: str, kernel: Any, inbox: trio.MemoryReceiveChannel[Any],
                  state_dir: Path, restored: Any, incarnation: int, log: Any,
-                 metrics: Any) -> None:
+                 metrics: Any, previous_handle: Any = None) -> None:
         self.name = name
+        self.previous_handle = previous_handle
         self._kernel = kernel
         self.inbox = inbox
         self.state_dir = state_dir
@@ -81,6 +96,7 @@ class ActorContext:
         self.log = log
         self.metrics = metrics
         self._senders: list[trio.MemorySendChannel[Any]] = []
+        self._holding: set[str] = set()  # actors whose handle this incarnation holds
 
     @property
     def run_id(self) -> str:
@@ -95,6 +111,14 @@ class ActorContext:
         """The daemon's state directory (``ctx.state_dir`` is this actor's own subdirectory)."""
         return self._kernel.state.path
 
+    def clock(self) -> float:
+        """The kernel's monotonic clock in seconds (``time.monotonic`` unless injected)."""
+        return self._kernel.clock()
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking `fn(*args)` the kernel's way (a worker thread unless injected)."""
+        return await self._kernel.run_blocking(fn, *args)
+
     # -- messaging ----------------------------------------------------------------
     def sender(self, name: str) -> trio.MemorySendChannel[Any]:
         """A send channel into actor `name`'s inbox (closed when this incarnation ends).
@@ -105,6 +129,26 @@ class ActorContext:
         chan = self._kernel.inbox_sender(name).clone()
         self._senders.append(chan)
         return chan
+
+    async def handle(self, name: str) -> Any:
+        """The handle actor `name` passed to ``task_status.started(handle)``.
+
+        Waits until that actor has started (again, while it restarts after a crash).
+        From then on this incarnation counts as a producer of `name`'s inbox (see the
+        module docstring). Raises KeyError for an unknown actor, and ValueError when
+        `name` starts after this actor while this one is still starting (it would wait
+        for ever: list `name` in this actor's ``after``).
+        """
+        handle = await self._kernel.wait_handle(name, asker=self.name)
+        if name not in self._holding:
+            try:
+                chan = self._kernel.inbox_sender(name).clone()
+            except trio.ClosedResourceError:
+                pass  # draining: no new producers; the handle is usable while it serves
+            else:
+                self._holding.add(name)
+                self._senders.append(chan)
+        return handle
 
     # -- pause and drain ----------------------------------------------------------
     @property

@@ -2,9 +2,9 @@
 
 Built-in commands: ``serve``, ``status``, ``stop``, ``config check``. Other parts
 add command groups through the ``fleetrl.commands`` entry-point group (see
-docs/contracts.md): each entry point is ``register(subparsers) -> None``. A group
+docs/reference/contracts.md): each entry point is ``register(subparsers) -> None``. A group
 that fails to load is reported on stderr by name and left out; every other command
-keeps working. Exit codes are `ExitCode` (docs/daemon.md lists them).
+keeps working. Exit codes are `ExitCode` (docs/guides/daemon.md lists them).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from .errors import FleetrlError
 
 
 class ExitCode(enum.IntEnum):
-    """Process exit codes of `fleetrl` commands (documented in docs/daemon.md)."""
+    """Process exit codes of `fleetrl` commands (documented in docs/guides/daemon.md)."""
 
     OK = 0
     #: an actor exceeded its restart intensity; the daemon stopped

@@ -16,10 +16,10 @@ Each conversation is a closed tagged union wrapped in a `Codec` (see `protocol`)
 
 Per-token arrays travel as `Tensor` (raw bytes), not as lists of numbers: for a
 typical trajectory (2,000 generated tokens, support K=20) encode+decode is 25-65x
-faster and the frame a third smaller (docs/protocol.md has the figures). The arrays,
-their support CSR and their checks are in `tokens`: cross-field invariants (equal
-lengths, well-formed CSR) are checked on construction and on decode, so a receiver
-never sees a message whose arrays disagree. `examples` builds typical messages.
+faster and the frame a third smaller (docs/reference/protocol.md has the figures). The
+arrays, their support CSR and their checks are in `tokens`: cross-field invariants
+(equal lengths, well-formed CSR) are checked on construction and on decode, so a
+receiver never sees a message whose arrays disagree. `examples` builds typical messages.
 
 Evolution: append fields with defaults only; see `protocol`.
 """

@@ -17,6 +17,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from .handles import numeric_fields
+
 __all__ = ["ActorMetrics", "KernelMetrics", "MetricsRegistry"]
 
 PREFIX = "fleetrl_"
@@ -113,11 +115,29 @@ class _InboxCollector(Collector):
         yield cap
 
 
+class _StatisticsCollector(Collector):
+    """Every running actor's ``statistics()`` record, read at scrape time: one gauge
+    sample per numeric field (`fleetrl.daemon.handles`)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Mapping[str, Any]]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        fam = GaugeMetricFamily(PREFIX + "actor_statistic",
+                                "A numeric field of an actor's statistics() record",
+                                labels=["actor", "name"])
+        for actor, record in sorted(self._stats().items()):
+            for key, value in numeric_fields(record):
+                fam.add_metric([actor, key], value)
+        yield fam
+
+
 class KernelMetrics:
     """The supervisor's own metrics."""
 
     def __init__(self, reg: MetricsRegistry, *, uptime: Callable[[], float],
-                 inbox_stats: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+                 inbox_stats: Callable[[], Mapping[str, tuple[int, int]]],
+                 statistics: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None) -> None:
         self.restarts = reg.counter("actor_restarts_total", "Actor restarts after a crash",
                                     ["actor"])
         self.up = reg.gauge("actor_up", "1 while the actor is running", ["actor"])
@@ -133,3 +153,5 @@ class KernelMetrics:
         uptime_g = reg.gauge("uptime_seconds", "Seconds since the daemon started")
         uptime_g.set_function(uptime)
         reg.add_collector(_InboxCollector(inbox_stats))
+        if statistics is not None:
+            reg.add_collector(_StatisticsCollector(statistics))

@@ -1,4 +1,4 @@
-"""The state directory (see docs/contracts.md): one per run, owned by one daemon.
+"""The state directory (see docs/reference/contracts.md): one per run, owned by one daemon.
 
 Layout: ``run_id`` (kept across restarts), ``token`` (control-plane bearer token,
 mode 0600), ``instance.json`` (who holds the lock), ``daemon.lock`` (``flock``-ed by

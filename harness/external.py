@@ -13,9 +13,10 @@ it:
 3. waits at most the wall-clock limit (``timeout_s``, else ``task.limits.timeout_s``);
    on timeout, or when the caller is cancelled, the whole process tree is stopped
    (SIGTERM to every process of the tree, then after ``kill_grace_s`` the tree is
-   frozen with SIGSTOP until no new process appears and killed with SIGKILL), and, on
-   timeout, every process of the sandbox user in the sandbox is killed so nothing the
-   harness started keeps changing the state the evaluator sees;
+   frozen with SIGSTOP until no new process appears and killed with SIGKILL:
+   `processes.run_command`), and, on timeout, every process of the sandbox user in the
+   sandbox is killed so nothing the harness started keeps changing the state the
+   evaluator sees;
 4. closes the attempt and returns an `ExternalEpisode` (an `Episode`): one `Turn` per
    recorded call, the `AttemptRecord`, the exit code and the tails of the output.
 
@@ -26,7 +27,7 @@ The harness runs *beside* the sandbox: it never gets the sandbox's network (ther
 none) nor general access to ours beyond what the host gives the command; it acts in the
 sandbox through its own extension point (for mini-swe-agent, the environment class
 `fleetrl.harness.mswea_env.FleetrlSandboxEnvironment`, which runs each action with
-``docker exec`` as the sandbox user in the work dir). docs/external-harness.md is the
+``docker exec`` as the sandbox user in the work dir). docs/guides/external-harness.md is the
 user's guide.
 """
 
@@ -35,17 +36,15 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import signal
 import string
-import subprocess
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
-import trio
 
+from .attempts import AttemptRegistry
 from .model import ModelClient
-from .openai_api import AttemptRegistry
+from .processes import run_command
 from .protocol import Episode, FinalState, SandboxLike, Turn, evaluate_in_sandbox, prepare_sandbox
 from .recording import AttemptRecord
 from .tasks import Task
@@ -58,11 +57,7 @@ __all__ = [
     "ExternalEpisode",
     "ExternalHarness",
     "expand_argv",
-    "kill_process_tree",
-    "process_tree",
-    "read_parent_map",
     "run_attempt",
-    "tail_bytes",
 ]
 
 PLACEHOLDERS = ("prompt", "task_file", "prompt_file", "container", "user", "workdir", "base_url",
@@ -76,7 +71,7 @@ ENV_VARS = {
     "FLEETRL_MODEL": "the model name the endpoint serves",
     "FLEETRL_ATTEMPT_ID": "the attempt's id",
     "FLEETRL_TASK_ID": "the task's id",
-    "FLEETRL_TASK_FILE": "the task as JSON (the task format of docs/tasks.md)",
+    "FLEETRL_TASK_FILE": "the task as JSON (the task format of docs/guides/tasks.md)",
     "FLEETRL_PROMPT_FILE": "the task's request as text (the prompt, or the messages' last user content)",
     "FLEETRL_MAX_TURNS": "task.limits.max_turns",
     "FLEETRL_SANDBOX_CONTAINER": "the sandbox's Docker container id (when the sandbox has one)",
@@ -178,125 +173,12 @@ def expand_argv(argv: Sequence[str], values: Mapping[str, str]) -> list[str]:
     return out
 
 
-def tail_bytes(buf: bytearray, data: bytes, cap: int) -> None:
-    """Append ``data`` to ``buf`` keeping only its last ``cap`` bytes."""
-    buf += data
-    if len(buf) > cap:
-        del buf[: len(buf) - cap]
-
-
-def process_tree(parents: Mapping[int, int], root: int) -> list[int]:
-    """``root`` and every descendant of it in the ``pid -> parent pid`` map, parents first."""
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parents.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo, seen = [], [root], set()
-    while todo:
-        pid = todo.pop(0)
-        if pid in seen:
-            continue
-        seen.add(pid)
-        out.append(pid)
-        todo.extend(sorted(children.get(pid, ())))
-    return out
-
-
-def read_parent_map(proc: str = "/proc") -> dict[int, int]:
-    """``pid -> parent pid`` of every live process (zombies excluded), from ``/proc``."""
-    out = {}
-    for name in os.listdir(proc):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"{proc}/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # it exited meanwhile
-        # the command name is parenthesised and may hold anything: split after the last ')'
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) < 2 or fields[0] == b"Z":
-            continue
-        out[int(name)] = int(fields[1])
-    return out
-
-
 def _prompt_text(task: Task) -> str:
     if task.prompt is not None:
         return task.prompt
     assert task.messages is not None
     users = [m.content for m in task.messages if m.role == "user"]
     return users[-1] if users else task.messages[-1].content
-
-
-# --------------------------------------------------------------------------- process tree
-
-
-def _signal_all(pids: Iterable[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-async def kill_process_tree(root: int | None, pgid: int | None, *, grace_s: float,
-                            known: Iterable[int] = ()) -> list[int]:
-    """Stop ``root``, its process group ``pgid`` and all their descendants, including
-    those that left the group (``setsid``): SIGTERM, ``grace_s`` seconds to exit, then
-    SIGSTOP until no new process appears (a fork cannot outrun a frozen parent), then
-    SIGKILL. Returns every pid that was signalled. Runs shielded (it is cleanup).
-
-    ``root`` must not have been reaped yet (a reaped pid may be reused by another
-    process); pass None once it has been, and the group alone is followed (a group id
-    is not reused while a member lives)."""
-    signalled: set[int] = set(known)
-
-    def tree() -> set[int]:
-        parents = read_parent_map()
-        pids = set(process_tree(parents, root)) if root is not None and root in parents else set()
-        for p in list(signalled):
-            if p in parents:
-                pids.update(process_tree(parents, p))
-        if pgid is not None:
-            for p in list(parents):
-                try:
-                    if os.getpgid(p) == pgid:
-                        pids.update(process_tree(parents, p))
-                except (ProcessLookupError, PermissionError):
-                    pass
-        pids.discard(os.getpid())
-        return pids
-
-    with trio.CancelScope(shield=True):
-        pids = tree()
-        signalled |= pids
-        if pgid is not None:
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
-        _signal_all(pids, signal.SIGTERM)
-        deadline = trio.current_time() + grace_s
-        while grace_s > 0 and trio.current_time() < deadline:
-            if not tree():
-                break
-            await trio.sleep(0.05)
-        for _ in range(100):  # freeze until the tree stops growing, then kill it
-            pids = tree()
-            if not pids:
-                break
-            signalled |= pids
-            _signal_all(pids, signal.SIGSTOP)
-            if tree() <= pids:
-                _signal_all(pids, signal.SIGKILL)
-                _signal_all(pids, signal.SIGCONT)
-                await trio.sleep(0.01)
-        if pgid is not None:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    return sorted(signalled)
 
 
 # the sandbox side of a timeout: kill every process of the sandbox user except this shell
@@ -373,7 +255,7 @@ class ExternalHarness:
                 }
                 argv = expand_argv(self.command.argv, values)
                 cwd = self.command.cwd or tmp
-                outcome = await _run_command(argv, env=env, cwd=cwd, timeout_s=timeout,
+                outcome = await run_command(argv, env=env, cwd=cwd, timeout_s=timeout,
                                              grace_s=self.command.kill_grace_s, cap=self.command.output_cap_bytes)
             if outcome.timed_out and getattr(sandbox, "id", None):
                 # what the harness started in the sandbox must not change the state the evaluator sees
@@ -395,69 +277,6 @@ class ExternalHarness:
                                exit_code=outcome.exit_code, timed_out=outcome.timed_out,
                                killed_pids=tuple(outcome.killed), stdout_tail=bytes(outcome.stdout),
                                stderr_tail=bytes(outcome.stderr), duration_s=outcome.duration_s)
-
-
-class _Outcome(msgspec.Struct, kw_only=True):
-    exit_code: int | None = None
-    timed_out: bool = False
-    killed: list[int] = msgspec.field(default_factory=list)
-    stdout: bytearray = msgspec.field(default_factory=bytearray)
-    stderr: bytearray = msgspec.field(default_factory=bytearray)
-    duration_s: float = 0.0
-
-
-async def _run_command(argv: list[str], *, env: dict[str, str], cwd: str, timeout_s: float, grace_s: float,
-                       cap: int) -> _Outcome:
-    """Run ``argv`` in a new session; kill its tree on timeout or cancellation."""
-    out = _Outcome()
-    start = trio.current_time()
-    try:
-        proc = await trio.lowlevel.open_process(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                start_new_session=True)
-    except OSError as err:
-        raise ValueError(f"ExternalHarness: cannot start {argv[0]!r}: {err}") from err
-    assert proc.stdout is not None and proc.stderr is not None
-    drained = [trio.Event(), trio.Event()]
-
-    async def drain(stream: trio.abc.ReceiveStream, buf: bytearray, done: trio.Event) -> None:
-        try:
-            while data := await stream.receive_some(65536):
-                tail_bytes(buf, data, cap)
-        finally:
-            done.set()
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(drain, proc.stdout, out.stdout, drained[0])
-            nursery.start_soon(drain, proc.stderr, out.stderr, drained[1])
-            with trio.move_on_after(timeout_s) as scope:
-                await proc.wait()
-            if scope.cancelled_caught:
-                out.timed_out = True
-                out.killed = await kill_process_tree(proc.pid, proc.pid, grace_s=grace_s)
-                with trio.CancelScope(shield=True):
-                    await proc.wait()
-            else:
-                out.exit_code = proc.returncode
-                # the command exited; whatever it left running in its session goes too
-                out.killed = await kill_process_tree(None, proc.pid, grace_s=0)
-            with trio.move_on_after(5):  # every writer is dead: the pipes reach EOF
-                for ev in drained:
-                    await ev.wait()
-            nursery.cancel_scope.cancel()
-    except BaseException:
-        if proc.returncode is None:
-            await kill_process_tree(proc.pid, proc.pid, grace_s=grace_s)
-            with trio.CancelScope(shield=True):
-                await proc.wait()
-        raise
-    finally:
-        with trio.CancelScope(shield=True):
-            await proc.stdout.aclose()
-            await proc.stderr.aclose()
-    out.duration_s = trio.current_time() - start
-    return out
 
 
 async def run_attempt(harness: object, task: Task, sandbox: SandboxLike, model: ModelClient | None = None, *,

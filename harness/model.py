@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 from fleetrl.daemon.messages import Generation, SamplingParams
 
 from .chat import ChatMessage, ChatTokenizer
+from .errors import ModelUnavailable
 from .recording import AttemptRecorder, CallRecord
 
 __all__ = [
@@ -32,16 +33,6 @@ __all__ = [
     "ModelUnavailable",
     "RecordedModel",
 ]
-
-
-class ModelUnavailable(Exception):
-    """The model could not answer (no sampler, sampler failure); not the caller's fault.
-
-    ``retryable``: whether another try may succeed."""
-
-    def __init__(self, message: str, *, retryable: bool = True) -> None:
-        super().__init__(message)
-        self.retryable = retryable
 
 
 @runtime_checkable

@@ -37,6 +37,7 @@ from typing import Literal, Protocol, runtime_checkable
 import msgspec
 
 from .chat import ChatMessage
+from .errors import SetupFailed
 from .model import ModelClient
 from .recording import AttemptRecord, CallRecord
 from .tasks import Task, reward_from_evaluator
@@ -121,11 +122,6 @@ def sandbox_use_of(harness: object) -> SandboxUse:
         raise ValueError(f"{type(harness).__name__}.sandbox_use = {use!r}: must be one of "
                          f"{', '.join(SANDBOX_USES)}")
     return use  # type: ignore[return-value]
-
-
-class SetupFailed(Exception):
-    """A setup command of the task failed: the attempt cannot start (a sandbox or
-    task error, never the model's fault)."""
 
 
 def _in_workdir(task: Task, path: str) -> str:

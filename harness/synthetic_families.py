@@ -6,7 +6,7 @@ module knows nothing about tasks or sandboxes: it defines the function families,
 split of their parameters between training and the generalisation set, and how the
 shown and hidden inputs of one task are drawn from a `random.Random`.
 
-Design points (measured with a prototype on a 2-core CPU; see docs/synthetic-tasks.md):
+Design points (measured with a prototype on a 2-core CPU; see docs/reference/synthetic-tasks.md):
 
 - Families are one-line integer functions of `x` with one or two small constant
   parameters, so a ~2M-parameter byte-level model can learn them on CPU.

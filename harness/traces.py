@@ -1,7 +1,7 @@
 """Production traces -> tasks (pure: lines in, tasks and a report out).
 
 A trace is one recorded session of the deployed agent, one JSON object per line
-(schema in docs/tasks.md, "Trace input"): its OpenAI-format ``messages``, how it went
+(schema in docs/guides/tasks.md, "Trace input"): its OpenAI-format ``messages``, how it went
 (``outcome`` and/or ``score``), the starting state it worked in (``workspace``: files
 and setup commands) and the criteria that judged it (``eval``).
 
@@ -27,6 +27,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .errors import HarnessError
 from .tasks import (
     DEFAULT_IMAGE,
     DEFAULT_WORKDIR,
@@ -162,7 +163,9 @@ class ImportResult(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- conversion
 
 
-class _Skip(Exception):
+class _Skip(HarnessError):
+    """A trace line that makes no task: the field at fault and why (a `SkippedLine`)."""
+
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(reason)
         self.field = field

@@ -7,25 +7,20 @@ and an orphan sweep. Embeddable alone: imports nothing else of fleetrl.
         async with pool.lease() as sb:
             r = await sb.exec("python3 -c 'print(6*7)'", timeout=10)
 
-See docs/sandboxes.md for what is isolated and what is not.
+See docs/reference/sandboxes.md for what is isolated and what is not.
 """
 
-from .image import DEFAULT_IMAGE, BuildResult, ImageBuildError, ImageRecipe, ensure_image, recipe_hash
+from .batch import ExecSpec
+from .errors import ImageBuildError, PoolClosedError, SandboxError, SandboxGoneError, SandboxStartError
+from .image import DEFAULT_IMAGE, BuildResult, ImageRecipe, ensure_image, recipe_hash
 from .limits import DEFAULT_LIMITS, Limits, parse_size
 from .metrics import PoolStatistics, SandboxMetrics
-from .pool import PoolClosedError, SandboxPool, open_sandbox_pool
-from .sandbox import (
-    Engine,
-    ExecResult,
-    ExecSpec,
-    Sandbox,
-    SandboxError,
-    SandboxGoneError,
-    SandboxStartError,
-    open_sandbox,
-    start_sandbox,
-)
+from .pool import SandboxPool, open_sandbox_pool
+from .result import ExecResult
+from .sandbox import Sandbox
+from .start import open_sandbox, start_sandbox
 from .sweep import Ownership, SweepReport, state_hash, sweep, sweep_blocking
+from .transport import Engine
 from .warm import WarmPolicy
 
 __all__ = [

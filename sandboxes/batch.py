@@ -1,27 +1,32 @@
-"""The host side of ``Sandbox.exec_many``: what a batch is, and the pure codec of the
-protocol spoken with the in-container runner (``batch_runner.py``).
+"""What a batch of ``Sandbox.exec_many`` is, its programs' checks, and the pure codec of
+the protocol spoken with the in-container runner (``scripts/batch_runner.py``).
 
 A batch runs independent programs one after another in one ``docker exec`` (one engine
 round trip instead of one per program). Before each program the runner resets the
 sandbox (processes killed, writable dirs wiped), so each program sees what a freshly
 leased sandbox shows; ``Sandbox.exec_many`` falls back to one exec per program for any
 program the runner did not report (it was killed or stopped, or could not start it).
-No I/O here: the encoder and parser are plain functions.
+No I/O here: the checks, the encoder and the parser are plain functions; the I/O side
+is ``batch_exec.py``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import msgspec
 
-__all__ = ["ExecSpec", "RUNNER_SOURCE", "PreparedProgram", "RunnerRecord", "RunnerEnd", "BatchOutput",
-           "encode_batch", "parse_runner_output"]  # fmt: skip
+from .checks import argv_of, check_workdir, env_list, exec_timeout, stdin_bytes, writable_files
+from .limits import Limits
+from .result import ExecResult
 
-RUNNER_SOURCE = (Path(__file__).with_name("batch_runner.py")).read_text()
-"""The runner program; run as ``python3 -I -S -c RUNNER_SOURCE`` inside the sandbox."""
+__all__ = ["ExecSpec", "PreparedProgram", "RunnerRecord", "RunnerEnd", "BatchOutput",
+           "prepare", "runner_budget", "runner_report_cap", "encode_batch", "parse_runner_output"]  # fmt: skip
+
+BATCH_SLACK_S = 15.0
+"""Seconds per program, beyond the programs' own timeouts, a batch exec may take (the
+runner's resets, files, kills) before the engine-side watchdog ends it."""
 
 RECORD_HEAD_MAX = 4096
 """Longest JSON head line the parser accepts."""
@@ -43,7 +48,7 @@ class ExecSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PreparedProgram(msgspec.Struct, frozen=True):
-    """An ``ExecSpec`` checked and resolved (``Sandbox`` does that)."""
+    """An ``ExecSpec`` checked and resolved (``prepare``)."""
 
     argv: list[str]
     env: dict[str, str] | None
@@ -51,6 +56,32 @@ class PreparedProgram(msgspec.Struct, frozen=True):
     timeout: float
     stdin: bytes | None
     files: list[tuple[str, bytes]]
+
+
+def prepare(i: int, p: ExecSpec, limits: Limits) -> PreparedProgram:
+    """Check program ``i`` of a batch as ``Sandbox.exec`` checks its arguments (errors
+    name the index) and resolve its defaults from ``limits``."""
+    where = f"Sandbox.exec_many: programs[{i}]"
+    if not isinstance(p, ExecSpec):
+        raise TypeError(f"{where} must be an ExecSpec, not {type(p).__name__}")
+    try:
+        argv = argv_of(p.cmd)
+        envd = dict(p.env) if p.env is not None else None
+        env_list(envd)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{where}: {e}") from None
+    timeout = exec_timeout(p.timeout, limits.timeout_s, where)
+    data = stdin_bytes(p.stdin, where)
+    check_workdir(p.workdir, where)
+    files = writable_files(p.files, limits.workdir, where)
+    return PreparedProgram(
+        argv=argv,
+        env=envd,
+        cwd=p.workdir or limits.workdir,
+        timeout=float(timeout),
+        stdin=None if data is None else bytes(data),
+        files=files,
+    )
 
 
 class RunnerRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -87,6 +118,44 @@ class BatchOutput(msgspec.Struct, frozen=True):
     """None when the output stops before the ``E`` record."""
     problem: str = ""
     """Why parsing stopped early (empty when the output was complete and well formed)."""
+
+    @property
+    def oom_count(self) -> int:
+        """The latest OOM kill count of the cgroup the runner reported (0: none)."""
+        counts = [rec.oom_count for rec, _, _ in self.records.values()]
+        if self.end is not None:
+            counts.append(self.end.oom_count)
+        return max(counts, default=0)
+
+    def results(self, n: int) -> list[ExecResult | None]:
+        """Program ``i``'s result as ``Sandbox.exec`` gives it, for each of the ``n``
+        programs; None for those the runner did not report."""
+        out: list[ExecResult | None] = [None] * n
+        for i, (rec, so, se) in self.records.items():
+            out[i] = ExecResult(
+                exit_code=rec.exit_code,
+                stdout=so,
+                stderr=se,
+                stdout_truncated=rec.out_total > len(so),
+                stderr_truncated=rec.err_total > len(se),
+                stdout_bytes=rec.out_total,
+                stderr_bytes=rec.err_total,
+                duration_s=rec.duration,
+                timed_out=rec.timed_out,
+                output_limit_exceeded=rec.over_limit,
+                oom_killed=rec.oom,
+            )
+        return out
+
+
+def runner_budget(programs: Sequence[PreparedProgram]) -> float:
+    """Wall-clock seconds the runner's exec may take before the host ends it."""
+    return sum(p.timeout for p in programs) + BATCH_SLACK_S * len(programs)
+
+
+def runner_report_cap(programs: Sequence[PreparedProgram], limits: Limits) -> int:
+    """Most bytes of the runner's report: every program's kept output and record."""
+    return sum(limits.stdout_cap + limits.stderr_cap + 1024 for _ in programs) + 4096
 
 
 def encode_batch(

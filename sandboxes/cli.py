@@ -91,7 +91,9 @@ def _limits_from(args: argparse.Namespace):
 def cmd_run(args: argparse.Namespace) -> int:
     import trio
 
-    from .sandbox import Engine, SandboxError, open_sandbox
+    from .errors import SandboxError
+    from .start import open_sandbox
+    from .transport import Engine
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -168,7 +170,7 @@ def cmd_humaneval(args: argparse.Namespace) -> int:
 
     from .humaneval import DEFAULT_BATCH_SIZE, load_problems, run_humaneval, summarize
     from .pool import open_sandbox_pool
-    from .sandbox import Engine
+    from .transport import Engine
     from .warm import WarmPolicy
 
     if args.concurrency < 1:
@@ -210,7 +212,7 @@ def cmd_humaneval(args: argparse.Namespace) -> int:
             )
             return results, time.monotonic() - t0, pool.statistics()
 
-    from .sandbox import SandboxError
+    from .errors import SandboxError
 
     try:
         results, seconds, stats = trio.run(go)
@@ -243,7 +245,7 @@ def _add_state_dir(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    """Add the ``sandbox`` command group (contract: docs/contracts.md, CLI command groups)."""
+    """Add the ``sandbox`` command group (contract: docs/reference/contracts.md, CLI command groups)."""
     from .image import DEFAULT_IMAGE
 
     sp = subparsers.add_parser("sandbox", help="Docker sandboxes: image, run, ls, sweep, humaneval")

@@ -10,7 +10,7 @@ Problems go ``batch_size`` at a time through one lease and one engine exec
 (``Sandbox.exec_many``: each still starts in a freshly reset sandbox with its own
 timeout; the results equal one exec per problem). These are the package's own
 solutions, one owner's programs; untrusted attempts of different tasks belong in one
-lease each (``batch_size=1``), see docs/sandboxes.md "Batches".
+lease each (``batch_size=1``), see docs/reference/sandboxes.md "Batches".
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from typing import Literal
 import msgspec
 import trio
 
+from .batch import ExecSpec
+from .errors import SandboxError
 from .image import DEFAULT_IMAGE
 from .limits import DEFAULT_LIMITS, Limits
 from .pool import SandboxPool
-from .sandbox import ExecSpec, SandboxError
+from .result import ExecResult
 
 __all__ = [
     "ProblemResult",
@@ -87,6 +89,30 @@ def _tail(b: bytes, n: int = 400) -> str:
     return b.decode("utf-8", errors="replace")[-n:]
 
 
+def _scored(problem: Mapping[str, str], r: ExecResult) -> ProblemResult:
+    """The problem's result from its program's exec result."""
+    return ProblemResult(
+        task_id=problem["task_id"],
+        passed=r.ok,
+        exit_code=r.exit_code,
+        timed_out=r.timed_out,
+        duration_s=r.duration_s,
+        error="" if r.ok else _tail(r.stderr),
+    )
+
+
+def _unscored(problem: Mapping[str, str], error: SandboxError, since: float) -> ProblemResult:
+    """The problem failed because its lease or exec did (not its program)."""
+    return ProblemResult(
+        task_id=problem["task_id"],
+        passed=False,
+        exit_code=None,
+        timed_out=False,
+        duration_s=time.monotonic() - since,
+        error=f"sandbox error: {error}",
+    )
+
+
 async def _run_one(
     pool: SandboxPool, problem: Mapping[str, str], completion: str, *, image: str, limits: Limits, timeout: float
 ) -> ProblemResult:
@@ -97,22 +123,8 @@ async def _run_one(
                 ["python3", "-"], stdin=check_program(problem, completion).encode(), timeout=timeout, final=True
             )
     except SandboxError as e:
-        return ProblemResult(
-            task_id=problem["task_id"],
-            passed=False,
-            exit_code=None,
-            timed_out=False,
-            duration_s=time.monotonic() - t0,
-            error=f"sandbox error: {e}",
-        )
-    return ProblemResult(
-        task_id=problem["task_id"],
-        passed=r.ok,
-        exit_code=r.exit_code,
-        timed_out=r.timed_out,
-        duration_s=r.duration_s,
-        error="" if r.ok else _tail(r.stderr),
-    )
+        return _unscored(problem, e, t0)
+    return _scored(problem, r)
 
 
 async def _run_batch(
@@ -134,32 +146,12 @@ async def _run_batch(
         async with pool.lease(image=image, limits=limits) as sb:
             rs = await sb.exec_many(specs, final=True)
     except SandboxError as e:
-        return [
-            ProblemResult(
-                task_id=p["task_id"],
-                passed=False,
-                exit_code=None,
-                timed_out=False,
-                duration_s=time.monotonic() - t0,
-                error=f"sandbox error: {e}",
-            )
-            for p in batch
-        ]
-    return [
-        ProblemResult(
-            task_id=p["task_id"],
-            passed=r.ok,
-            exit_code=r.exit_code,
-            timed_out=r.timed_out,
-            duration_s=r.duration_s,
-            error="" if r.ok else _tail(r.stderr),
-        )
-        for p, r in zip(batch, rs)
-    ]
+        return [_unscored(p, e, t0) for p in batch]
+    return [_scored(p, r) for p, r in zip(batch, rs)]
 
 
 DEFAULT_BATCH_SIZE = 8
-"""Problems per engine exec in ``run_humaneval`` (measured: see docs/sandboxes.md)."""
+"""Problems per engine exec in ``run_humaneval`` (measured: see docs/results/benchmarks.md)."""
 
 
 async def run_humaneval(

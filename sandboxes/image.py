@@ -27,6 +27,8 @@ import docker
 import docker.errors
 import msgspec
 
+from .errors import ImageBuildError
+
 __all__ = [
     "DEFAULT_IMAGE",
     "DEFAULT_PACKAGES",
@@ -45,10 +47,6 @@ RECIPE_LABEL = "fleetrl.recipe"
 _RECIPE_FORMAT = 1  # bump when the build steps below change what ends up in the image
 _PKG_RE = re.compile(r"^[a-z0-9][a-z0-9+.\-]*$")  # Debian policy 5.6.1 package names
 _SUITE_RE = re.compile(r"^[a-z][a-z0-9\-]*$")
-
-
-class ImageBuildError(RuntimeError):
-    """The image could not be built; the message names the failing step."""
 
 
 class ImageRecipe(msgspec.Struct, frozen=True, kw_only=True):

@@ -94,6 +94,12 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def gid(self) -> int:
         return int(self.user.split(":")[1])
 
+    @property
+    def writable_dirs(self) -> tuple[str, ...]:
+        """Every place the sandbox user can write (the root is read-only): the work dir,
+        /tmp, /dev/shm, /dev/mqueue. A reset wipes them all."""
+        return (self.workdir, "/tmp", "/dev/shm", "/dev/mqueue")
+
 
 DEFAULT_LIMITS = Limits()
 

@@ -29,11 +29,14 @@ from typing import AsyncIterator
 import trio
 from prometheus_client import CollectorRegistry
 
+from .errors import PoolClosedError, SandboxError
 from .image import DEFAULT_IMAGE
 from .limits import DEFAULT_LIMITS, Limits
 from .metrics import PoolStatistics, SandboxMetrics
-from .sandbox import Engine, Sandbox, SandboxError, start_sandbox
+from .sandbox import Sandbox
+from .start import start_sandbox
 from .sweep import Ownership
+from .transport import Engine
 from .warm import DemandTracker, WarmPolicy
 
 __all__ = ["SandboxPool", "open_sandbox_pool", "PoolClosedError"]
@@ -41,10 +44,6 @@ __all__ = ["SandboxPool", "open_sandbox_pool", "PoolClosedError"]
 
 START_BACKOFF_S = 10.0
 """After a background start fails, no background starts for this key for this long."""
-
-
-class PoolClosedError(SandboxError):
-    """A lease was asked of a pool that is closing or closed."""
 
 
 class _Slot:
@@ -217,8 +216,6 @@ class SandboxPool:
     async def _discard(self, sb: Sandbox) -> None:
         try:
             await sb.aclose()  # shielded, with a deadline
-        except SandboxError:
-            pass
         except Exception:
             pass  # removal failed: the labels leave it to the sweep
         finally:

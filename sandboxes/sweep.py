@@ -1,4 +1,4 @@
-"""Ownership labels and the orphan sweep (see docs/contracts.md, "Sandbox container labels").
+"""Ownership labels and the orphan sweep (see docs/reference/contracts.md, "Sandbox container labels").
 
 Every sandbox container carries ``fleetrl.owner`` (daemon instance id), ``fleetrl.run``
 (run id), ``fleetrl.state`` (first 16 hex digits of sha256 of the state directory's

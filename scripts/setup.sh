@@ -32,7 +32,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     torch_version=$(basename "$torch_wheel" | cut -d- -f2)
     # uv installs that wheel and everything else (about 3.5 GB with vLLM's CPU build) by
     # linking files from its shared cache (~/.cache/uv): a second clone's virtualenv takes
-    # seconds where pip took minutes (docs/tiny-run.md, session 9).
+    # seconds where pip took minutes (docs/results/tiny-run.md, session 9).
     "$VENV/bin/pip" install -q "uv==$UV_VERSION"
     uv=("$VENV/bin/uv" pip --quiet)
     "${uv[@]}" install --python "$VENV/bin/python" "$torch_wheel" -e ".[test,vllm]"

@@ -1,6 +1,6 @@
 """fleetrl.actors.buffer: the rollout buffer with staleness admission (pure logic).
 
-See `admission` for the policy and docs/trainer.md for how the trainer actor uses it.
+See `admission` for the policy and docs/reference/trainer.md for how the trainer actor uses it.
 """
 
 from .admission import (

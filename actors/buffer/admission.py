@@ -3,7 +3,7 @@
 Pure logic, no I/O and no clock: the trainer actor owns one `RolloutBuffer` and calls it
 between train steps.
 
-Policy (docs/trainer.md has the longer version):
+Policy (docs/reference/trainer.md has the longer version):
 
 * **Staleness.** A group's staleness is ``trainer_version - oldest_version``, where
   ``oldest_version`` is the oldest weight version that produced any of its tokens. A

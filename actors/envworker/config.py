@@ -34,7 +34,7 @@ class SyntheticTasks(_Strict, tag="synthetic", tag_field="kind"):
 
 
 class JsonlTasks(_Strict, tag="jsonl", tag_field="kind"):
-    """A task file (docs/tasks.md). Invalid records are logged with file, line and
+    """A task file (docs/guides/tasks.md). Invalid records are logged with file, line and
     field; valid ones run. ``repeat``: start over at the end (epochs), else stop."""
 
     path: str
@@ -74,7 +74,7 @@ class PoolModel(_Strict, tag="pool", tag_field="kind"):
     pacing: bool = True
     """Admit every group's G attempts through the pool's staleness pacer before they start,
     and send groups to the target in the pacer's release (admission) order
-    (docs/envworkers.md, "Pacing"). At most one worker per pool may pace."""
+    (docs/reference/envworkers.md, "Pacing"). At most one worker per pool may pace."""
     trainer_skips_zero_variance: bool = True
     """Mirror of the trainer's ``skip_zero_variance``: a group whose rewards are all equal
     gives its training slots back to the pacer (the trainer does not count it in a step)."""
@@ -101,7 +101,7 @@ class SandboxSettings(_Strict):
 
 class ScoreBatching(_Strict):
     """Group scoring of several groups (different tasks) in one lease and one engine exec
-    (`score_batches.ScoreBatcher`, docs/envworkers.md "Scoring several groups at once")."""
+    (`score_batches.ScoreBatcher`, docs/reference/envworkers.md "Scoring several groups at once")."""
 
     max_groups: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     """Most groups per batch; 1: every group is scored in a lease of its own."""
@@ -114,7 +114,7 @@ class ScoreBatching(_Strict):
 # -- the worker ---------------------------------------------------------------------------
 
 class EnvWorkerConfig(_Strict):
-    """Settings of one environment worker (see docs/envworkers.md)."""
+    """Settings of one environment worker (see docs/reference/envworkers.md)."""
 
     model: ModelConfig | None = None
     """Required, except with ``harness = "external"`` (the endpoint actor's model answers then)."""

@@ -4,8 +4,8 @@
   (backends are blocking), at most ``concurrency`` calls at once. For tests and the
   simplest single-process configs: no pool actor, no weight following (the weights
   stay at the version they were loaded with).
-* `PoolModelClient`: the sampler pool actor's in-process client
-  (``fleetrl.actors.pool.pool_client(name)``, a `SamplerPool`): each call becomes a
+* `PoolModelClient`: calls the sampler pool actor through its handle
+  (``await ctx.handle(name)``, a `SamplerPool`): each call becomes a
   `GenerateRequest` routed over the pool's local and remote samplers, which follow the
   trainer's weights. A `GenerateFailed` answer raises `ModelUnavailable` (the harness
   ends its episode in ``error`` and the worker reports a ``sampler_error``).
@@ -28,11 +28,14 @@ import trio
 from fleetrl.actors.samplers.base import served_identity, stamp
 from fleetrl.actors.samplers.errors import BadGenerateRequest, NumericalFailure
 from fleetrl.daemon import messages as m
+from fleetrl.daemon.actor import ActorContext
 from fleetrl.daemon.protocol import Tensor
 from fleetrl.harness.chat import ChatTokenizer
-from fleetrl.harness.model import ModelUnavailable
+from fleetrl.harness.model import HFChatTokenizer, ModelUnavailable
 
-__all__ = ["LocalModelClient", "PoolModelClient"]
+from .config import LocalModel, ModelConfig
+
+__all__ = ["LocalModelClient", "PoolModelClient", "open_model"]
 
 
 class LocalModelClient:
@@ -97,3 +100,22 @@ class PoolModelClient:
         if isinstance(answer, m.GenerateFailed):
             raise ModelUnavailable(f"sampler pool: {answer.reason}", retryable=answer.retryable)
         return answer
+
+
+async def open_model(cfg: ModelConfig, ctx: ActorContext) -> LocalModelClient | PoolModelClient:
+    """The model client of ``cfg``: a torch backend of this actor's own, or the client of
+    the pool actor ``cfg.pool`` (its handle; holding it keeps the pool serving until this
+    actor has returned)."""
+    if isinstance(cfg, LocalModel):
+        from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
+
+        bcfg = TorchBackendConfig(model_dir=cfg.model_dir, dtype=cfg.dtype, device=cfg.device)
+        backend = await trio.to_thread.run_sync(TorchBackend, bcfg)
+        tok = await trio.to_thread.run_sync(HFChatTokenizer.from_pretrained, cfg.tokenizer_dir or cfg.model_dir)
+        return LocalModelClient(backend, tok, sampler_id=f"{ctx.name}-local", concurrency=cfg.concurrency)
+    tok = await trio.to_thread.run_sync(HFChatTokenizer.from_pretrained, cfg.tokenizer_dir)
+    try:
+        pool = await ctx.handle(cfg.pool)
+    except KeyError:
+        raise ValueError(f"model.pool = {cfg.pool!r} is not an actor of this daemon") from None
+    return PoolModelClient(pool, tok, min_version=cfg.min_version)

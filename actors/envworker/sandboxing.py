@@ -10,12 +10,12 @@
 * `GroupScorer`: scores the recorded files of one group's attempts in one leased
   sandbox. When the task's evaluator has a ``group_command`` (harness.tasks), ONE run
   of it scores every attempt (each attempt's files under ``GROUP_DIR/<k>/``; the
-  command isolates the attempts, e.g. the synthetic checker: docs/synthetic-tasks.md);
+  command isolates the attempts, e.g. the synthetic checker: docs/reference/synthetic-tasks.md);
   attempts its output does not report are scored as below. Otherwise ONE
   ``Sandbox.exec_many``: each attempt is one program: files = the task's setup files +
   the attempt's files, cmd = the task's evaluator, timeout = the evaluator's; the
   runner resets the sandbox before each program, so an attempt sees nothing of its
-  siblings (docs/sandboxes.md, "Batches"). Rewards come from the same
+  siblings (docs/reference/sandboxes.md, "Batches"). Rewards come from the same
   ``tasks.reward_from_evaluator`` as one exec each. With the worker's
   `score_batches.ScoreBatcher` (``score_batching.max_groups > 1``) those programs run
   as a job batched with other groups' jobs in one lease and one ``exec_many``.

@@ -3,10 +3,10 @@
 A `GroupScorer` scores one group (one task) with one ``exec_many``. Each engine exec
 costs the host ~75 ms of dockerd/containerd/runc CPU and the batch runner a Python
 start-up, whatever the batch holds; with small groups of cheap checkers that fixed cost
-is about half of all scoring CPU (docs/envworkers.md, "Scoring several groups at once").
+is about half of all scoring CPU (docs/reference/envworkers.md, "Scoring several groups at once").
 `ScoreBatcher` lets the groups of one worker share it: each group's programs are a
 *job*; jobs with the same image and limits are run back to back in one ``exec_many``
-(the runner resets the sandbox before every program, docs/sandboxes.md "Batches"), and
+(the runner resets the sandbox before every program, docs/reference/sandboxes.md "Batches"), and
 each job gets its own results back, in order.
 
 When a batch runs (no timer task; the waiting jobs' own tasks do it):

@@ -2,7 +2,7 @@
 
 `records` (the ``eval.jsonl`` record, when to evaluate; pure), `scoring` (the recipe's
 batched checker driver run inside one sandbox), `actor` (``fleetrl.actors.evaluator:run``).
-docs/tiny-run.md describes how the embedded default uses it.
+docs/guides/tiny-run.md describes how the embedded default uses it.
 """
 
 from .actor import run

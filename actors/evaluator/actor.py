@@ -25,6 +25,7 @@ import trio
 from fleetrl.actors.pool.local import AsyncStoreSource, WeightSync
 from fleetrl.actors.recipe import EvalSampling, sample_completions
 from fleetrl.actors.weights import LocalDirStore, StoreSource
+from fleetrl.daemon.actor import ActorContext
 from fleetrl.daemon.messages import WeightVersionAvailable
 from fleetrl.harness.synthetic import generate_tasks
 from fleetrl.sandboxes import Limits, Ownership, WarmPolicy, open_sandbox_pool
@@ -33,9 +34,21 @@ from .config import EvaluatorConfig
 from .records import EvalRecord, EvalState, is_due, make_record, step_of
 from .scoring import score_in_sandbox
 
-__all__ = ["run"]
+__all__ = ["EvaluatorStatistics", "Inbox", "run"]
 
 MiB = 1 << 20
+
+Inbox = WeightVersionAvailable
+"""The trainer announces each new version; the evaluator decides whether it is due."""
+
+
+class EvaluatorStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    evaluated: tuple[int, ...]
+    """Versions evaluated so far (over restarts)."""
+    announced: int
+    """Newest version the trainer announced (-1: none yet)."""
+    pass_at_1: dict[str, float]
+    """Held-out pass@1 of the newest evaluated version, by split."""
 
 
 def _say(enabled: bool, line: str) -> None:
@@ -46,8 +59,12 @@ def _say(enabled: bool, line: str) -> None:
 
 
 class _Evaluator:
-    def __init__(self, cfg: EvaluatorConfig, ctx: Any, backend: Any, pool: Any, state: EvalState) -> None:
+    """The evaluator's state and work; also its handle (`statistics`)."""
+
+    def __init__(self, cfg: EvaluatorConfig, ctx: ActorContext, backend: Any, pool: Any, state: EvalState) -> None:
         self.cfg = cfg
+        self.announced = -1
+        self.pass_at_1: dict[str, float] = {}
         self.ctx = ctx
         self.backend = backend
         self.pool = pool
@@ -66,6 +83,10 @@ class _Evaluator:
 
     def state(self) -> EvalState:
         return EvalState(evaluated=tuple(self.evaluated))
+
+    def statistics(self) -> EvaluatorStatistics:
+        return EvaluatorStatistics(evaluated=tuple(self.evaluated), announced=self.announced,
+                                   pass_at_1=dict(self.pass_at_1))
 
     def _step_of(self, version: int) -> int:
         try:
@@ -94,6 +115,7 @@ class _Evaluator:
             with self.out.open("ab") as fh:
                 fh.write(msgspec.json.encode(rec) + b"\n")
             self.pass_gauge[split].set(rec.pass_at_1)
+            self.pass_at_1[split] = rec.pass_at_1
             self.ctx.log.info("evaluation", version=version, step=step, split=split, n=rec.n, passed=rec.passed,
                               pass_at_1=round(rec.pass_at_1, 4), ci=[round(rec.ci_low, 4), round(rec.ci_high, 4)],
                               mean_reward=round(rec.mean_reward, 4), checker_errors=scores.errors,
@@ -124,7 +146,8 @@ class _Evaluator:
         _say(self.cfg.progress, f"report: {page}")
 
 
-async def run(cfg: EvaluatorConfig, ctx: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+async def run(cfg: EvaluatorConfig, ctx: ActorContext, *,
+              task_status: trio.TaskStatus[_Evaluator] = trio.TASK_STATUS_IGNORED) -> None:
     """The evaluator actor (see the module docstring)."""
     from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
 
@@ -142,19 +165,18 @@ async def run(cfg: EvaluatorConfig, ctx: Any, *, task_status: Any = trio.TASK_ST
             return ev.state()
 
         ctx.on_checkpoint(hook)
-        announced = -1
         changed = trio.Event()
         ended = trio.Event()
-        task_status.started()
+        task_status.started(ev)
 
         async def read_inbox() -> None:
-            nonlocal announced, changed
             async for msg in ctx.inbox:
-                if isinstance(msg, WeightVersionAvailable):
-                    announced = max(announced, msg.version)
-                    changed.set()
-                else:
-                    ctx.log.warning("evaluator ignored a message", type=type(msg).__name__)
+                match msg:
+                    case WeightVersionAvailable(version=version):
+                        ev.announced = max(ev.announced, version)
+                        changed.set()
+                    case _:
+                        ctx.log.warning("evaluator ignored a message", type=type(msg).__name__)
             ended.set()
             changed.set()
 
@@ -168,7 +190,7 @@ async def run(cfg: EvaluatorConfig, ctx: Any, *, task_status: Any = trio.TASK_ST
                 changed = trio.Event()
                 if ended.is_set() or ctx.draining:
                     break
-                if is_due(announced, ev.evaluated, cfg.every_versions):
+                if is_due(ev.announced, ev.evaluated, cfg.every_versions):
                     version = await ev.newest()
                     if version not in ev.evaluated:
                         await ev.evaluate(version)

@@ -24,7 +24,7 @@ class EvalSandboxSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
 
 
 class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Held-out pass@1 of the trainer's versions (docs/tiny-run.md)."""
+    """Held-out pass@1 of the trainer's versions (docs/guides/tiny-run.md)."""
 
     model_dir: str
     """The model directory the trainer started from (architecture and tokenizer)."""

@@ -2,16 +2,20 @@
 
 Pure logic: `routing` (policies), `pacing` (staleness admission), `registry` (sampler
 records and cost measurement). I/O around it: `local` (a backend in a worker thread),
-`pool` (the routing core `SamplerPool` and the actor `run`), `remote_server` (the join
-WebSocket endpoint), `remote_client` (the remote sampler process), `cli`
-(``fleetrl sampler``). docs/fleet.md is the guide.
+`core` (the routing core `SamplerPool`, the pool actor's handle), `config`
+(`PoolConfig`), `actor` (the actor ``fleetrl.actors.pool:run``), `auth` (the fleet
+token), `metrics` (per-sampler Prometheus series), `remote_server` (the join WebSocket
+endpoint), `remote_client` (the remote sampler process), `cli` (``fleetrl sampler``).
+docs/guides/fleet.md is the guide.
 """
 
+from .actor import Inbox, run
+from .config import LocalSamplerConfig, PoolConfig
+from .core import PacedAttempt, PoolStatistics, SamplerPool
 from .pacing import Admission, Pacer, PacingError
-from .pool import LocalSamplerConfig, PacedAttempt, PoolConfig, SamplerPool, pool_client, run
 from .registry import Registry, SamplerRecord
 from .routing import Bounds, SamplerView, cost_aware, least_loaded
 
-__all__ = ["Admission", "Bounds", "LocalSamplerConfig", "PacedAttempt", "Pacer", "PacingError", "PoolConfig",
-           "Registry", "SamplerPool", "SamplerRecord", "SamplerView", "cost_aware", "least_loaded",
-           "pool_client", "run"]
+__all__ = ["Admission", "Bounds", "Inbox", "LocalSamplerConfig", "PacedAttempt", "Pacer", "PacingError",
+           "PoolConfig", "PoolStatistics", "Registry", "SamplerPool", "SamplerRecord", "SamplerView",
+           "cost_aware", "least_loaded", "run"]

@@ -41,8 +41,9 @@ from fleetrl.daemon import messages as m
 from fleetrl.daemon.errors import BadMessage
 from fleetrl.daemon.protocol import PROTOCOL_VERSION, Rejected
 
+from .auth import token_matches
+from .core import SamplerPool
 from .local import SamplerLost
-from .pool import SamplerPool, token_matches
 
 __all__ = ["CLOSE_POLICY", "RemoteSampler", "fleet_app"]
 

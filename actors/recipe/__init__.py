@@ -3,7 +3,7 @@
 `ensure_warm_model(cache_dir, recipe)` gives the directory of the tiny Llama after a
 short supervised warm-up on the synthetic task format, cached by recipe (built once,
 atomically). `evaluate_pass_at_1` measures a model's sampled pass@1 on the fresh and
-generalisation sets with a Wilson interval (`pass_rate_with_ci`). docs/warmup.md
+generalisation sets with a Wilson interval (`pass_rate_with_ci`). docs/reference/warmup.md
 describes the recipe and its measured effect.
 """
 

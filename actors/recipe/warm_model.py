@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
 
     `python -m fleetrl.actors.recipe.warm_model --cache-dir DIR [--eval N]`: prints
     progress and a table to stderr, then one JSON line with the figures (it reproduces
-    the measurements of docs/warmup.md).
+    the measurements of docs/results/warmup.md).
     """
     parser = argparse.ArgumentParser(prog="python -m fleetrl.actors.recipe.warm_model", description=main.__doc__)
     parser.add_argument("--cache-dir", required=True, type=Path, help="where warm models are cached")

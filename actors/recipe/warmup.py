@@ -5,7 +5,7 @@ so that it starts weak but not hopeless: it has learnt the layout (indented
 `return <expr>` then `<eos>`) and a rough idea of the families, and its sampled
 pass@1 on fresh tasks is low enough that GRPO has room to show an improvement but
 high enough that groups of samples are not all zero (zero-variance groups carry no
-signal). docs/warmup.md has the recipe and its measured effect.
+signal). docs/reference/warmup.md has the recipe, docs/results/warmup.md its measured effect.
 
 Each training example is `prompt + reference_solution(task)` of a task from the
 synthetic *training* stream (`fleetrl.harness.synthetic.task_stream`), byte-tokenised
@@ -16,7 +16,7 @@ tokens, plus `prompt_loss_weight` times the token-mean cross-entropy over the pr
 (after `<bos>`): predicting each shown output from the examples before it makes the
 model work out the function from examples, the skill the completion needs; with the
 completion loss alone the tiny model learns the family prior long before it learns
-to read (docs/warmup.md has the measurements). AdamW with a linear warm-up then
+to read (docs/results/warmup.md has the measurements). AdamW with a linear warm-up then
 cosine decay of the learning rate, gradient clipping, small batches.
 
 Pure pieces (`encode_example`, `collate`, `completion_loss`, `warmup_loss`, `lr_at`) are separate
@@ -65,13 +65,13 @@ class WarmupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     naming the field."""
 
     steps: int = 1200
-    """Optimizer steps. docs/warmup.md has the measured effect: 800 steps reached 29.0%
+    """Optimizer steps. docs/results/warmup.md has the measured effect: 800 steps reached 29.0%
     sampled pass@1 on fresh tasks on one machine and 14.25% on another (the loss sits on
     a plateau until the model learns to read the examples, and when that happens depends
     on the CPU's rounding); 1200 steps reach 39.0% on the second, well past the plateau."""
     batch_size: int = 16
     """Examples (tasks) per step. At equal CPU time, 16 per step learnt faster than 32
-    (more, smaller steps; docs/warmup.md)."""
+    (more, smaller steps; docs/results/warmup.md)."""
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
     warmup_steps: int = 10
@@ -85,7 +85,7 @@ class WarmupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     prompt_loss_weight: float = 1.0
     """Weight of the prompt's own next-token loss beside the completion's (0: the
     completion alone). Predicting each shown output from the examples before it is
-    what teaches the tiny model to read the examples (docs/warmup.md)."""
+    what teaches the tiny model to read the examples (docs/results/warmup.md)."""
     task_seed: int = 0
     """Seed of the synthetic training stream the examples come from."""
     task_start: int = 0

@@ -3,7 +3,7 @@
 `write_report(state_dir, out_dir) -> Path` (the HTML page) is what the daemon calls at
 the end of a run and what ``fleetrl report STATE_DIR`` runs. Pure parts: `records`
 (parsing, file:line errors), `summary` (the numbers), `html` (the page); `plots` draws.
-docs/report.md says what each plot shows.
+docs/guides/report.md says what each plot shows.
 """
 
 from .records import EvalRow, Log, ReportInputError, parse_evals, parse_metrics, read_evals, read_metrics

@@ -36,7 +36,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    """Add the ``report`` command (contract: docs/contracts.md, CLI command groups)."""
+    """Add the ``report`` command (contract: docs/reference/contracts.md, CLI command groups)."""
     p = subparsers.add_parser("report", help="write a run's plots and HTML report",
                               description="Write PNG plots and an HTML page for the run in "
                                           "STATE_DIR; prints the page's path.")

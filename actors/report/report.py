@@ -3,7 +3,7 @@
 Reads ``<state>/actors/trainer/metrics.jsonl`` (the trainer's `StepMetrics`, one per
 step) and ``<state>/actors/evaluator/eval.jsonl`` (held-out evaluations). Actors named
 otherwise are found too, as long as there is only one file of each kind under
-``<state>/actors/*/``. docs/report.md says how to read the result.
+``<state>/actors/*/``. docs/guides/report.md says how to read the result.
 """
 
 from __future__ import annotations

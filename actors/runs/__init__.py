@@ -3,7 +3,7 @@
 `variants` (the ablation arms as pure config transforms), `tomlw` (writing them back as
 TOML), `compare` (the table's numbers), `serve` (one `fleetrl serve` subprocess,
 watched), `ablate` (``fleetrl ablate``), `bench_async` (``fleetrl bench async``),
-`plots` (comparison PNGs). docs/ablation.md is the guide.
+`plots` (comparison PNGs). docs/guides/ablation.md is the guide.
 """
 
 from .compare import ArmResult, grad_norm_std, markdown_table, reward_auc, text_table

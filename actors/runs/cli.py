@@ -93,7 +93,7 @@ def cmd_bench_async(args: argparse.Namespace) -> int:
 
 
 def register_ablate(subparsers) -> None:
-    """Add ``ablate`` (contract: docs/contracts.md, CLI command groups)."""
+    """Add ``ablate`` (contract: docs/reference/contracts.md, CLI command groups)."""
     p = subparsers.add_parser(
         "ablate", help="run the corrections ablation (four real runs) and compare them",
         description="Run (a) homogeneous fp32 synchronous, (b) mixed async full recipe, "

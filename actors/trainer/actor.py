@@ -1,4 +1,4 @@
-"""The trainer actor: a thin Trio loop around `Trainer` (docs/trainer.md).
+"""The trainer actor: a thin Trio loop around `Trainer` (docs/reference/trainer.md).
 
 Reads `RolloutGroup`s from its inbox, judges each with the rollout buffer (staleness,
 zero variance, duplicates, malformed groups), trains whenever ``groups_per_step`` are
@@ -29,6 +29,7 @@ import sys
 from functools import partial
 from typing import Any
 
+import msgspec
 import trio
 
 from fleetrl.actors.buffer import Admitted, BadGroup, Duplicate, StaleGroup, ZeroVariance
@@ -41,7 +42,41 @@ from .config import TrainerConfig
 from .core import Trainer
 from .step import StepMetrics
 
-__all__ = ["run"]
+__all__ = ["Inbox", "TrainerHandle", "TrainerStatistics", "run"]
+
+Inbox = RolloutGroup | RolloutFailed
+"""What environment workers send the trainer: scored groups, and attempts that failed."""
+
+
+class TrainerStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    version: int
+    """Newest published weight version."""
+    step: int
+    """Optimizer steps taken (over restarts)."""
+    queued: int
+    """Groups waiting in the rollout buffer."""
+    groups: dict[str, int]
+    """Groups received, by outcome (admitted, stale, zero_variance, duplicate, malformed, ...)."""
+    elapsed_s: float
+    """Seconds trained, over restarts (what ``time_budget_s`` counts)."""
+    done: bool
+    """A budget is spent: no more steps."""
+
+
+class TrainerHandle:
+    """The trainer's handle: what /status and /metrics read of it."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.groups: dict[str, int] = {}
+
+    def count(self, outcome: str) -> None:
+        self.groups[outcome] = self.groups.get(outcome, 0) + 1
+
+    def statistics(self) -> TrainerStatistics:
+        t = self.trainer
+        return TrainerStatistics(version=t.version, step=t.step, queued=len(t.buffer), groups=dict(self.groups),
+                                 elapsed_s=round(t.elapsed_s, 3), done=t.done)
 
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
 
@@ -49,9 +84,10 @@ _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
 class _Metrics:
     """The trainer's Prometheus series (labelled actor=<name> by the kernel)."""
 
-    def __init__(self, ctx: ActorContext) -> None:
+    def __init__(self, ctx: ActorContext, handle: TrainerHandle) -> None:
         mx = ctx.metrics
         self.mx = mx
+        self.handle = handle
         self.version = mx.gauge("trainer_version", "Newest published weight version")
         self.step = mx.gauge("trainer_step", "Optimizer steps taken")
         self.queued = mx.gauge("trainer_buffer_groups", "Rollout groups queued in the buffer")
@@ -72,6 +108,7 @@ class _Metrics:
         self.cost = mx.counter("trainer_cost_usd_total", "Sampling dollars of the trained batches")
 
     def group(self, outcome: str) -> None:
+        self.handle.count(outcome)
         self.mx.counter("trainer_groups_total", "Rollout groups by outcome", {"outcome": outcome}).inc()
 
     def observe(self, m: StepMetrics) -> None:
@@ -111,12 +148,13 @@ class _Progress:
 
 
 async def run(cfg: TrainerConfig, ctx: ActorContext, *,
-              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+              task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
     """The trainer actor; see the module docstring."""
-    trainer = await trio.to_thread.run_sync(partial(Trainer, cfg, ctx.state_dir, ctx.run_id))
-    await trio.to_thread.run_sync(trainer.start, ctx.restored)
+    trainer = await ctx.run_blocking(partial(Trainer, cfg, ctx.state_dir, ctx.run_id, clock=ctx.clock))
+    await ctx.run_blocking(trainer.start, ctx.restored)
     lock = trio.Lock()
-    metrics = _Metrics(ctx)
+    handle = TrainerHandle(trainer)
+    metrics = _Metrics(ctx, handle)
 
     def sender(name: str, key: str) -> trio.MemorySendChannel[Any]:
         try:
@@ -137,7 +175,7 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
                 except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                     break
                 handle_pending()
-            return await trio.to_thread.run_sync(trainer.snapshot)
+            return await ctx.run_blocking(trainer.snapshot)
 
     ctx.on_checkpoint(hook)
     ctx.mount("/weights", blob_app(trainer.store))
@@ -148,7 +186,7 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
     ctx.log.info("trainer started", version=trainer.version, step=trainer.step,
                  resumed_from=trainer.resumed_from, queued=len(trainer.buffer))
     progress = _Progress(cfg.progress, cfg.max_steps, trainer.step)
-    task_status.started()
+    task_status.started(handle)
 
     async def announce_version() -> None:
         if not announce or trainer.publisher.digest is None:
@@ -197,20 +235,20 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
 
     def handle_pending() -> None:
         while pending:
-            msg = pending.pop(0)
-            if isinstance(msg, RolloutGroup):
-                offer(msg)
-            elif isinstance(msg, RolloutFailed):
-                metrics.group("attempt_failed")
-            else:
-                metrics.group("ignored")
-                ctx.log.warning("trainer ignored a message it does not handle", type=type(msg).__name__)
+            match pending.pop(0):
+                case RolloutGroup() as group:
+                    offer(group)
+                case RolloutFailed():
+                    metrics.group("attempt_failed")
+                case other:
+                    metrics.group("ignored")
+                    ctx.log.warning("trainer ignored a message it does not handle", type=type(other).__name__)
 
     async def train_ready() -> None:
         while trainer.ready():
             await ctx.wait_unpaused()
             async with lock:
-                m, expired = await trio.to_thread.run_sync(trainer.take_and_train)
+                m, expired = await ctx.run_blocking(trainer.take_and_train)
             for rej in expired:
                 report(rej)
             if m is None:
@@ -247,7 +285,7 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
                 finished = True
                 progress.close()
                 async with lock:
-                    await trio.to_thread.run_sync(trainer.write_checkpoint)
+                    await ctx.run_blocking(trainer.write_checkpoint)
                 ctx.log.info("training budget spent", reason=reason, step=trainer.step, version=trainer.version,
                              max_steps=cfg.max_steps, time_budget_s=cfg.time_budget_s,
                              elapsed_s=round(trainer.elapsed_s, 1))
@@ -273,7 +311,7 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
         progress.close()
         with trio.CancelScope(shield=True):
             async with lock:
-                await trio.to_thread.run_sync(trainer.write_checkpoint)
+                await ctx.run_blocking(trainer.write_checkpoint)
         for chan in [rejects, *(c for _, c in announce)]:
             if chan is not None:
                 chan.close()

@@ -78,7 +78,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     checkpoint_every: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10
     """Write the trainer's own checkpoint file every this many steps (and on drain)."""
     corrections: CorrectionConfig = CorrectionConfig()
-    """Off-policy corrections of the policy loss (docs/corrections.md)."""
+    """Off-policy corrections of the policy loss (docs/reference/corrections.md)."""
     advantage: AdvantageConfig = AdvantageConfig()
     """How rewards become advantages."""
     temperature: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] = 1.0

@@ -8,7 +8,7 @@ lock, so a checkpoint never sees a half-done step.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +41,12 @@ def batch_cost_usd(groups: Sequence[RolloutGroup]) -> float:
 class Trainer:
     """Model + optimizer + buffer + publisher of one trainer incarnation."""
 
-    def __init__(self, cfg: TrainerConfig, state_dir: Path, run_id: str) -> None:
+    def __init__(self, cfg: TrainerConfig, state_dir: Path, run_id: str, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: monotonic seconds for ``time_budget_s`` (the actor passes the
+        kernel's ``ctx.clock``; tests pass a fake one)."""
         self.cfg = cfg
+        self.clock = clock
         self.state_dir = Path(state_dir)
         self.run_id = run_id
         try:
@@ -67,7 +71,7 @@ class Trainer:
         self.resumed_from: str = "fresh"
         self._applied = False
         self._elapsed_before = 0.0  # seconds run by earlier incarnations (from the checkpoint)
-        self._started = time.monotonic()
+        self._started = self.clock()
 
     # -- start ------------------------------------------------------------------------
     def start(self, restored: Any) -> None:
@@ -97,7 +101,7 @@ class Trainer:
             self.publisher.resume_after(last)  # no shadow of `last` here: a full anchor next
         vm = self.publisher.publish(master_bf16(self.model))
         self.version = vm.version
-        self._started = time.monotonic()
+        self._started = self.clock()
 
     # -- training ---------------------------------------------------------------------
     def ready(self) -> bool:
@@ -106,7 +110,7 @@ class Trainer:
     @property
     def elapsed_s(self) -> float:
         """Wall-clock seconds this trainer has run, earlier incarnations included."""
-        return self._elapsed_before + (time.monotonic() - self._started)
+        return self._elapsed_before + (self.clock() - self._started)
 
     def time_left_s(self) -> float | None:
         """Seconds of ``time_budget_s`` left (never negative), or None without one."""

@@ -27,17 +27,14 @@ import torch
 import trio
 
 from . import codec
-from .manifest import MANIFEST_REF, CatchupPlan, Manifest, ManifestError, decode_manifest, plan_catchup
+from .errors import BlobIntegrityError, BlobNotFound, ManifestError
+from .manifest import MANIFEST_REF, CatchupPlan, Manifest, decode_manifest, plan_catchup
 from .quant import BLOCK, Scheme, as_2d_shape, quantize_fp8
-from .store import BlobNotFound, BlobStore, key_of
+from .store import BlobStore, key_of
 from .version import NO_VERSION, Layout, TensorSpec, chunk_hashes, digest_of, u16_view
 
 __all__ = ["BlobSource", "AsyncBlobSource", "StoreSource", "SyncReport", "Follower",
            "CastFollower", "Fp8Follower", "BlobIntegrityError"]
-
-
-class BlobIntegrityError(ValueError):
-    """A fetched blob's bytes do not hash to its key."""
 
 
 class BlobSource(Protocol):

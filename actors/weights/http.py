@@ -26,19 +26,15 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .follower import BlobIntegrityError
+from .errors import BlobIntegrityError, BlobNotFound, RangeError
 from .manifest import MANIFEST_REF, Manifest, decode_manifest
-from .store import BlobNotFound, BlobStore, check_key, check_ref_name, key_of
+from .store import BlobStore, check_key, check_ref_name, key_of
 
 __all__ = ["blob_app", "HttpBlobSource", "parse_range"]
 
 _READ = 4 << 20
 _IMMUTABLE = "public, max-age=31536000, immutable"
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
-
-
-class RangeError(ValueError):
-    pass
 
 
 def parse_range(header: str, size: int) -> tuple[int, int]:
@@ -107,10 +103,10 @@ def blob_app(store: BlobStore) -> Starlette:
         try:
             check_ref_name(name)
             key = await anyio.to_thread.run_sync(store.get_ref, name)
+        except BlobNotFound:  # before ValueError: every error of the package is one
+            return PlainTextResponse(f"no ref {name}", status_code=404)
         except ValueError as e:
             return PlainTextResponse(str(e), status_code=400)
-        except BlobNotFound:
-            return PlainTextResponse(f"no ref {name}", status_code=404)
         return PlainTextResponse(key, headers={"Cache-Control": "no-cache", "ETag": f'"{key}"'})
 
     return Starlette(routes=[

@@ -1,6 +1,6 @@
 """Compiled per-chunk kernels of the delta codec (numba, pure, no I/O).
 
-A sparse chunk is stored as two *split varints* (docs/delta-format.md): its gaps
+A sparse chunk is stored as two *split varints* (docs/reference/delta-format.md): its gaps
 (``position - previous position - 1``; the first gap is the first position) and its XOR
 words. A split varint is the LEB128 encoding of each number with the first byte of every
 number in a *head* stream (low 7 bits; bit 7 set when more bytes follow) and the other

@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import msgspec
 
+from .errors import ManifestError
 from .version import TensorSpec
 
 __all__ = ["BlobRef", "Manifest", "CatchupPlan", "plan_catchup", "ManifestError",
            "encode_manifest", "decode_manifest", "MANIFEST_REF"]
 
 MANIFEST_REF = "manifest"
-
-
-class ManifestError(ValueError):
-    """A manifest that cannot be decoded or does not fit the follower."""
 
 
 class BlobRef(msgspec.Struct, frozen=True):

@@ -23,15 +23,13 @@ import xxhash
 
 from fleetrl.daemon.files import write_atomic
 
+from .errors import BlobNotFound
+
 __all__ = ["BlobNotFound", "BlobStore", "LocalDirStore", "MemoryStore", "key_of", "check_key",
            "check_ref_name"]
 
 _KEY = re.compile(r"[0-9a-f]{32}")
 _REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-class BlobNotFound(KeyError):
-    """No blob (or ref) with that key (or name)."""
 
 
 def key_of(data: bytes | bytearray | memoryview) -> str:

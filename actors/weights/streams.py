@@ -1,7 +1,7 @@
 """The stored form of a delta's streams (pure, no I/O): parts, blosc2 settings, checks.
 
 A stored stream is a u32 part count, the u64 stored size of each part, then the parts,
-each one blosc2 chunk (docs/delta-format.md, "Streams"); the writer picks the part size
+each one blosc2 chunk (docs/reference/delta-format.md, "Streams"); the writer picks the part size
 (:data:`PART_BYTES` by default), a reader takes any. This module cuts raw streams into
 parts and compresses them, splits stored streams back into parts with every size
 checked, and decompresses one part into a slice of a preallocated output. Which parts
@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import blosc2
 import numpy as np
 
+from .errors import StreamError
 from .version import parallel_map
 
 __all__ = ["PART_BYTES", "ONE_BLOCK_FROM", "Part", "StreamError", "pack", "split", "decompress_into"]
@@ -45,10 +46,6 @@ changing statistics of successive tensors and are 0.2 points smaller there
 
 Part = tuple[memoryview, int, int]
 """One stored part and the raw byte range ``[lo, hi)`` of its stream it decompresses to."""
-
-
-class StreamError(ValueError):
-    """A stored stream is malformed (the codec re-raises it as DeltaFormatError)."""
 
 
 def pack(arrays: Sequence[np.ndarray], cparams: Callable[[int, int], dict], part_bytes: int,

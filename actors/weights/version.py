@@ -29,6 +29,7 @@ import xxhash
 __all__ = [
     "DEFAULT_CHUNK_ELEMS",
     "NO_VERSION",
+    "version_label",
     "TensorSpec",
     "Layout",
     "fingerprint_of",
@@ -46,6 +47,12 @@ DEFAULT_CHUNK_ELEMS = 1 << 20
 
 NO_VERSION = (1 << 64) - 1
 """Version number of "no weights" (the all-zero model an anchor is a delta from)."""
+
+
+def version_label(v: int) -> str:
+    """``v`` as error messages name it: ``"none"`` for :data:`NO_VERSION`."""
+    return "none" if v == NO_VERSION else str(v)
+
 
 _MAX_CHUNK_ELEMS = 1 << 31
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 import trio
 
-from fleetrl.actors.endpoint import endpoint_handle
 from fleetrl.actors.model import load_tiny_llama
 from fleetrl.daemon.messages import ROLLOUTS, RolloutGroup
 from fleetrl.sandboxes import state_hash
@@ -50,7 +49,7 @@ factory = "endpoint_test_actors:sink"
 config = {{tag = "g"}}
 
 [actors.env]
-factory = "fleetrl.actors.envworker.worker:run"
+factory = "fleetrl.actors.envworker:run"
 after = ["sink", "endpoint"]
 [actors.env.config]
 target = "sink"
@@ -68,7 +67,7 @@ sandbox = {{memory_mb = 256, min_warm = 0}}
     with state, trio.fail_after(100):
         async with trio.open_nursery() as n:
             await n.start(partial(sup.run, handle_signals=False))
-            handle = await endpoint_handle("endpoint", instance_id=sup.instance_id)
+            handle = await sup.wait_handle("endpoint")
             while not got:
                 await trio.sleep(0.2)
             open_after = len(handle.registry)
@@ -120,7 +119,7 @@ factory = "endpoint_test_actors:sink"
 config = {{tag = "m"}}
 
 [actors.env]
-factory = "fleetrl.actors.envworker.worker:run"
+factory = "fleetrl.actors.envworker:run"
 after = ["sink", "endpoint"]
 [actors.env.config]
 target = "sink"

@@ -15,7 +15,7 @@ import openai
 import pytest
 import trio
 
-from fleetrl.actors.endpoint import EndpointActorConfig, base_url_of, endpoint_handle
+from fleetrl.actors.endpoint import EndpointActorConfig, base_url_of
 from fleetrl.actors.envworker import EnvWorkerConfig
 from fleetrl.daemon.config import ConfigError, load_config_text
 from fleetrl.harness.chat import ChatMessage, render_chat
@@ -34,7 +34,7 @@ async def test_openai_client_gets_answers_from_the_daemon_and_bad_keys_get_401(t
     with state, trio.fail_after(120):
         async with trio.open_nursery() as n:
             await n.start(partial(sup.run, handle_signals=False))
-            handle = await endpoint_handle("endpoint", instance_id=sup.instance_id)
+            handle = await sup.wait_handle("endpoint")
             ctl = json.loads((state.path / "control.json").read_text())
             assert handle.base_url == f"http://127.0.0.1:{ctl['port']}/v1" and handle.model_name == "tiny"
             key = handle.registry.open_attempt("a1", "t1")
@@ -84,7 +84,7 @@ def test_the_base_url_is_the_control_planes_and_needs_one(tmp_path):
     assert base_url_of(tmp_path) == "http://[::1]:9/v1"
 
 
-def load(body: str, factory: str = "fleetrl.actors.envworker.worker:run"):
+def load(body: str, factory: str = "fleetrl.actors.envworker:run"):
     return load_config_text(f'[actors.a]\nfactory = "{factory}"\n[actors.a.config]\n' + body, source="run.toml")
 
 

@@ -15,7 +15,8 @@ import trio
 from fleetrl.actors.envworker.config import EnvWorkerConfig
 from fleetrl.actors.envworker.cursor import TaskCursor
 from fleetrl.actors.envworker.group import AttemptTicket
-from fleetrl.actors.envworker.worker import Failed, _Worker
+from fleetrl.actors.envworker.attempt import Failed
+from fleetrl.actors.envworker.worker import _Worker
 from fleetrl.daemon.examples import example_generation
 from fleetrl.daemon.messages import Trajectory
 from fleetrl.daemon.metrics import ActorMetrics, MetricsRegistry

@@ -368,7 +368,7 @@ async def test_the_synthetic_group_checker_stops_at_a_stray_process(tmp_path):
     """One run of the task's group command scores the attempts before and including a
     solution that leaves a process behind; the rest are scored alone in reset
     sandboxes, with the rewards a per-attempt scoring gives."""
-    from fleetrl.actors.envworker.worker import sandbox_limits
+    from fleetrl.actors.envworker import sandbox_limits
     from fleetrl.sandboxes import Ownership, WarmPolicy, open_sandbox_pool
 
     task = make_task(3, "train", 0)

@@ -98,7 +98,7 @@ async def test_completion_harness_runs_against_the_local_client(backend_and_tok)
 # -- configuration ----------------------------------------------------------------------------
 
 def load(body: str):
-    return load_config_text('[actors.env]\nfactory = "fleetrl.actors.envworker.worker:run"\n'
+    return load_config_text('[actors.env]\nfactory = "fleetrl.actors.envworker:run"\n'
                             '[actors.env.config]\n' + body, source="run.toml")
 
 

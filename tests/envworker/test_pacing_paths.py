@@ -20,7 +20,7 @@ from fleetrl.actors.envworker.config import EnvWorkerConfig
 from fleetrl.actors.envworker.cursor import TaskCursor
 from fleetrl.actors.envworker.sources import TaskSource
 from fleetrl.actors.envworker.worker import _Worker
-from fleetrl.actors.pool.pool import SamplerPool
+from fleetrl.actors.pool import SamplerPool
 from fleetrl.daemon.examples import example_generation
 from fleetrl.daemon.messages import RolloutFailed, RolloutGroup
 from fleetrl.daemon.metrics import ActorMetrics, MetricsRegistry

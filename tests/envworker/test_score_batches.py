@@ -232,7 +232,7 @@ KILL_ALL = "import os\nos.kill(-1, 9)\n"  # kills the checker and the batch runn
 @pytest.mark.docker
 async def test_groups_scored_in_shared_batches_get_the_rewards_they_get_alone(tmp_path):
     from fleetrl.actors.envworker.sandboxing import GroupScorer
-    from fleetrl.actors.envworker.worker import sandbox_limits
+    from fleetrl.actors.envworker import sandbox_limits
     from fleetrl.harness.synthetic import make_task, reference_solution, solution_text
     from fleetrl.sandboxes import Ownership, WarmPolicy, open_sandbox_pool
 

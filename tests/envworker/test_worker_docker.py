@@ -68,7 +68,7 @@ async def run_until(sup: Supervisor, done, timeout: float) -> None:
 def worker_toml(name: str, model_dir: Path, *, target: str, extra: str) -> str:
     return f"""
 [actors.{name}]
-factory = "fleetrl.actors.envworker.worker:run"
+factory = "fleetrl.actors.envworker:run"
 after = ["{target}"]
 [actors.{name}.config]
 target = "{target}"

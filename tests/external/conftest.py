@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "common"))  # fakes.py
 from fleetrl.actors.model import build_byte_tokenizer  # noqa: E402
 from fleetrl.harness.model import HFChatTokenizer  # noqa: E402
 from fleetrl.sandboxes import DEFAULT_IMAGE, Engine, Ownership, ensure_image
-from fleetrl.sandboxes.sandbox import open_sandbox
+from fleetrl.sandboxes import open_sandbox
 from fleetrl.sandboxes.sweep import LABEL_OWNER
 
 

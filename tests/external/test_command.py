@@ -14,17 +14,9 @@ import pytest
 import trio
 from fakes import FakeModel, serving
 
-from fleetrl.harness.external import (
-    ExternalCommand,
-    ExternalEpisode,
-    ExternalHarness,
-    expand_argv,
-    process_tree,
-    read_parent_map,
-    run_attempt,
-    tail_bytes,
-)
+from fleetrl.harness.external import ExternalCommand, ExternalEpisode, ExternalHarness, expand_argv, run_attempt
 from fleetrl.harness.openai_api import AttemptRegistry, EndpointConfig, create_app
+from fleetrl.harness.processes import process_tree, read_parent_map, tail_bytes
 from fleetrl.harness.protocol import Harness
 from fleetrl.harness.tasks import Evaluator, Limits, Setup, Task
 

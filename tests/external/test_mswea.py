@@ -6,8 +6,6 @@ alone in a sandbox: user, work dir, timeout, submission, no network."""
 
 from __future__ import annotations
 
-import json
-import sys
 
 import numpy as np
 import pytest

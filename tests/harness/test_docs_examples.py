@@ -1,4 +1,4 @@
-"""The examples in docs/tasks.md are valid: the task line loads, the trace line imports."""
+"""The examples in docs/guides/tasks.md are valid: the task line loads, the trace line imports."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from fleetrl.harness.tasks import decode_task_json
 from fleetrl.harness.traces import tasks_from_traces
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "tasks.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "guides" / "tasks.md"
 
 
 def json_blocks() -> list[str]:
@@ -17,7 +17,7 @@ def json_blocks() -> list[str]:
 
 def test_task_example_is_valid():
     task_example, _ = json_blocks()
-    task = decode_task_json(task_example.strip(), where="docs/tasks.md")
+    task = decode_task_json(task_example.strip(), where="docs/guides/tasks.md")
     assert task.id == "fix-off-by-one"
     assert set(task.setup.files) == {"count.py", "test_count.py"}
 

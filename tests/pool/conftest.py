@@ -148,7 +148,6 @@ factory = "fleetrl.actors.pool:run"
 async def running_pool(tmp_path, pool_config: str, *, timeout_s: float = 120.0):
     """The pool actor under the real supervisor (`pool_daemon_config`): yields
     ``(pool, supervisor, state, nursery)`` once the pool is up, shuts the daemon down on exit."""
-    from fleetrl.actors.pool import pool_client
     from fleetrl.daemon.config import load_config_text
     from fleetrl.daemon.state import StateDir
     from fleetrl.daemon.supervisor import Supervisor
@@ -160,6 +159,6 @@ async def running_pool(tmp_path, pool_config: str, *, timeout_s: float = 120.0):
         async with trio.open_nursery() as n:
             await n.start(partial(sup.run, handle_signals=False))
             try:
-                yield await pool_client("pool"), sup, state, n
+                yield await sup.wait_handle("pool"), sup, state, n
             finally:
                 sup.request_shutdown("test")

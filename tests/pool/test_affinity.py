@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from fleetrl.actors.model import BOS_ID
 from fleetrl.actors.pool.local import LocalSampler
-from fleetrl.actors.pool.pool import PoolConfig, SamplerPool
+from fleetrl.actors.pool import PoolConfig, SamplerPool
 from fleetrl.actors.pool.routing import (AffinityTable, Bounds, SamplerView, cost_aware, least_loaded,
                                          prompt_key, with_affinity)
 from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig

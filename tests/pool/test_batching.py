@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from fleetrl.actors.model import BOS_ID
 from fleetrl.actors.pool.local import LocalSampler, SamplerLost
-from fleetrl.actors.pool.pool import SamplerPool
+from fleetrl.actors.pool import SamplerPool
 from fleetrl.actors.pool.remote_client import RemoteClientConfig, serve_once
 from fleetrl.actors.pool.remote_server import fleet_app
 from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
@@ -435,7 +435,7 @@ def test_batching_settings_are_checked(torch_fp32):
 
 async def test_pool_config_carries_max_batch_to_local_samplers(model_dir):
     from fleetrl.actors.pool.cli import build_parser
-    from fleetrl.actors.pool.pool import LocalSamplerConfig
+    from fleetrl.actors.pool import LocalSamplerConfig
 
     with pytest.raises(msgspec.ValidationError, match="max_batch"):
         msgspec.convert({"id": "a", "model_dir": "m", "max_batch": 0}, LocalSamplerConfig)

@@ -28,7 +28,8 @@ import trio
 
 from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, read_state_dict, save_tiny_llama
 from fleetrl.actors.pool.local import AsyncStoreSource
-from fleetrl.actors.pool.pool import LocalSamplerConfig, SamplerPool, _backend_factory, _follower_for
+from fleetrl.actors.pool import LocalSamplerConfig, SamplerPool
+from fleetrl.actors.pool.actor import _backend_factory, _follower_for
 from fleetrl.actors.pool.remote_server import fleet_app
 from fleetrl.actors.weights import MemoryStore, Publisher, PublisherConfig, StoreSource
 from fleetrl.actors.weights.http import blob_app

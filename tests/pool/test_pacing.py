@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetrl.actors.pool.pacing import Pacer, PacingError
-from fleetrl.actors.pool.pool import SamplerPool
+from fleetrl.actors.pool import SamplerPool
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.protocol import Tensor
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 
 from fleetrl.actors.pool.local import LocalSampler
-from fleetrl.actors.pool.pool import SamplerPool
+from fleetrl.actors.pool import SamplerPool
 from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
 from fleetrl.daemon import messages as m
 

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from fleetrl.actors.pool.local import LocalSampler
-from fleetrl.actors.pool.pool import SamplerPool
+from fleetrl.actors.pool import SamplerPool
 from fleetrl.actors.pool.remote_client import JoinRefused, RemoteClientConfig, serve_once
 from fleetrl.actors.pool.remote_client import connect as open_websocket_url
 from fleetrl.actors.pool.remote_server import CLOSE_POLICY, fleet_app

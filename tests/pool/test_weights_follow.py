@@ -9,7 +9,8 @@ import trio
 
 from fleetrl.actors.model.tiny_llama import read_state_dict
 from fleetrl.actors.pool.local import AsyncStoreSource
-from fleetrl.actors.pool.pool import SamplerPool, _follower_for
+from fleetrl.actors.pool import SamplerPool
+from fleetrl.actors.pool.actor import _follower_for
 from fleetrl.actors.pool.remote_client import RemoteClientConfig, run_remote
 from fleetrl.actors.pool.remote_server import fleet_app
 from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig

@@ -1,5 +1,5 @@
 """A stand-in daemon for the SIGKILL test: holds the state directory's lock as
-docs/contracts.md says, leases N sandboxes from a pool, prints READY and their ids,
+docs/reference/contracts.md says, leases N sandboxes from a pool, prints READY and their ids,
 then waits to be killed.
 
     python fake_daemon.py STATE_DIR INSTANCE_ID N

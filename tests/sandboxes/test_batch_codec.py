@@ -11,7 +11,8 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetrl.sandboxes.batch import RUNNER_SOURCE, PreparedProgram, encode_batch, parse_runner_output
+from fleetrl.sandboxes.batch import PreparedProgram, encode_batch, parse_runner_output
+from fleetrl.sandboxes.programs import RUNNER_SOURCE
 
 CAPS = dict(stdout_cap=16, stderr_cap=8)
 

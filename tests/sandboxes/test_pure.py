@@ -15,8 +15,10 @@ from fleetrl.sandboxes import DEFAULT_LIMITS, ImageRecipe, Limits, Ownership, Wa
 from fleetrl.sandboxes.humaneval import check_program, completion_for, summarize, ProblemResult
 from fleetrl.sandboxes.image import default_mirror
 from fleetrl.sandboxes.limits import host_config_kwargs
-from fleetrl.sandboxes.sandbox import Sandbox, _Capture, _oom_count
+from fleetrl.sandboxes.checks import argv_of, env_list
+from fleetrl.sandboxes.programs import oom_count
 from fleetrl.sandboxes.sweep import state_hash
+from fleetrl.sandboxes.transport import Capture
 from fleetrl.sandboxes.warm import DemandTracker
 
 
@@ -215,7 +217,7 @@ def test_ownership_labels_follow_the_contract(tmp_path):
 
 @given(st.lists(st.tuples(st.sampled_from([1, 2]), st.binary(max_size=50)), max_size=30), st.integers(0, 200))
 def test_capture_keeps_a_prefix_and_counts_everything(frames, cap_n):
-    cap = _Capture(cap_n, cap_n)
+    cap = Capture(cap_n, cap_n)
     for stream, data in frames:
         cap.add(stream, memoryview(data))
     out = b"".join(d for s, d in frames if s == 1)
@@ -225,21 +227,21 @@ def test_capture_keeps_a_prefix_and_counts_everything(frames, cap_n):
 
 
 def test_oom_count_parses_cgroup_v1_and_v2():
-    assert _oom_count("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n") == 3
-    assert _oom_count("low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\n") == 2
-    assert _oom_count("") == 0
+    assert oom_count("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n") == 3
+    assert oom_count("low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\n") == 2
+    assert oom_count("") == 0
 
 
 def test_exec_argument_checks():
-    assert Sandbox._argv("echo hi") == ["/bin/sh", "-c", "echo hi"]
-    assert Sandbox._argv(("ls", "-l")) == ["ls", "-l"]
+    assert argv_of("echo hi") == ["/bin/sh", "-c", "echo hi"]
+    assert argv_of(("ls", "-l")) == ["ls", "-l"]
     for bad in ("", "   ", [], ["a", 1], ["a\0b"]):
         with pytest.raises(ValueError, match="Sandbox.exec"):
-            Sandbox._argv(bad)
-    assert Sandbox._env({"A": "1"}) == ["A=1"]
+            argv_of(bad)
+    assert env_list({"A": "1"}) == ["A=1"]
     for bad in ({"": "x"}, {"A=B": "x"}, {"A": "x\0"}):
         with pytest.raises(ValueError, match="env"):
-            Sandbox._env(bad)
+            env_list(bad)
 
 
 # -- humaneval program --------------------------------------------------------------------

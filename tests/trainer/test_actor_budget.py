@@ -21,7 +21,7 @@ from fleetrl.daemon.config import load_config_text
 from fleetrl.daemon.faults import ExitCode
 from fleetrl.daemon.messages import WeightVersionAvailable
 from fleetrl.daemon.state import StateDir
-from fleetrl.daemon.supervisor import Supervisor
+from fleetrl.daemon.supervisor import Supervisor, run_inline
 
 
 
@@ -91,13 +91,17 @@ announce_to = ["pool"]""", pool=True)
     assert b'fleetrl_trainer_cost_usd_total{actor="trainer"}' in sup.metrics_text()
 
 
-async def test_a_spent_time_budget_ends_the_run_even_while_no_group_arrives(model_dir, groups, feed, tmp_path):
+async def test_a_spent_time_budget_ends_the_run_even_while_no_group_arrives(model_dir, groups, feed, tmp_path,
+                                                                           autojump_clock):
+    """On virtual time: the kernel's clock is Trio's (autojump), and the trainer's blocking
+    work runs inline, so the budget is spent exactly when the virtual clock says so."""
     prompt = [BOS_ID, *b"def f(x):"]
     feed.FEED.extend(groups.sampled(model_dir, f"g{i}", prompt, [1.0, 0.0], seed=60 + i) for i in range(3))
     text = _budget_run(model_dir, """lr_schedule = "cosine"
-time_budget_s = 4.0""", feeder="config = {hold = true}")
+time_budget_s = 4.0""", feeder="config = {hold = true, interval_s = 0.5}")
     state = StateDir(tmp_path / "state").open()
-    sup = Supervisor(load_config_text(text, source="test.toml"), state, rng=random.Random(0))
+    sup = Supervisor(load_config_text(text, source="test.toml"), state, rng=random.Random(0),
+                     run_blocking=run_inline, clock=trio.current_time)
     with state, trio.fail_after(180):
         code = await sup.run(handle_signals=False)  # one step, then the third group waits for a partner
     assert code == ExitCode.OK

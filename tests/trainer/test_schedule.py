@@ -123,12 +123,11 @@ def test_the_trainer_steps_at_the_scheduled_rate_across_a_restart(model_dir, gro
     assert seen == pytest.approx(want, rel=0, abs=0)
 
 
-def test_a_time_budget_steers_the_rate_ends_training_and_survives_a_restart(model_dir, groups, tmp_path,
-                                                                           monkeypatch):
-    import fleetrl.actors.trainer.core as core
-
+def test_a_time_budget_steers_the_rate_ends_training_and_survives_a_restart(model_dir, groups, tmp_path):
     now = [1000.0]
-    monkeypatch.setattr(core.time, "monotonic", lambda: now[0])
+
+    def clock() -> float:
+        return now[0]
     cfg = TrainerConfig(model_dir=model_dir, groups_per_step=1, lr=1e-2, lr_schedule="linear", lr_min_ratio=0.0,
                         max_steps=1000, time_budget_s=100.0, checkpoint_every=1)
 
@@ -140,14 +139,14 @@ def test_a_time_budget_steers_the_rate_ends_training_and_survives_a_restart(mode
         assert not m.skipped
         return m
 
-    t = Trainer(cfg, tmp_path, "run-1")
+    t = Trainer(cfg, tmp_path, "run-1", clock=clock)
     t.start(None)
     now[0] += 40.0
     m = step(t)  # 40% of the time at step 0 of 1000: the time fraction steers the rate
     assert m.lr == pytest.approx(6e-3) and m.elapsed_s == pytest.approx(40.0)
     assert t.time_left_s() == pytest.approx(60.0) and not t.done
     now[0] += 500.0  # the daemon was killed long after the checkpoint: that time is not counted
-    t2 = Trainer(cfg, tmp_path, "run-1")
+    t2 = Trainer(cfg, tmp_path, "run-1", clock=clock)
     t2.start(None)
     assert t2.step == 1 and t2.elapsed_s == pytest.approx(40.0)
     now[0] += 30.0
@@ -156,6 +155,6 @@ def test_a_time_budget_steers_the_rate_ends_training_and_survives_a_restart(mode
     now[0] += 30.0
     assert t2.done and t2.time_left_s() == 0.0 and not t2.ready()
     assert t2.stop_reason() == "time_budget_s=100 spent at step 2"
-    t3 = Trainer(msgspec.structs.replace(cfg, time_budget_s=None), tmp_path, "run-1")
+    t3 = Trainer(msgspec.structs.replace(cfg, time_budget_s=None), tmp_path, "run-1", clock=clock)
     t3.start(None)  # without a time budget the same state trains on: steps alone count
     assert not t3.done and t3.lr_now() == pytest.approx(1e-2 * (1 - 2 / 999))

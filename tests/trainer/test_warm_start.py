@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from fleetrl.actors.recipe import WarmRecipe, check_warm_dir
-from fleetrl.actors.trainer.warm_start import WarmStartConfig, point_link
+from fleetrl.actors.warm_start import WarmStartConfig, point_link
 from fleetrl.daemon.config import load_config_text
 from fleetrl.daemon.faults import ExitCode
 from fleetrl.daemon.state import StateDir
@@ -54,7 +54,7 @@ checkpoint_interval_s = 1000.0
 [http]
 enabled = false
 [actors.warm_start]
-factory = "fleetrl.actors.trainer.warm_start:run"
+factory = "fleetrl.actors.warm_start:run"
 [actors.warm_start.config]
 cache_dir = "{tmp_path / 'cache'}"
 link = "{tmp_path / 'models' / 'tiny'}"

@@ -22,6 +22,8 @@ class FeederConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     target: str = "trainer"
     hold: bool = False
     """Keep the channel open after the feed (a producer with nothing more to send yet)."""
+    interval_s: float = 0.0
+    """Seconds between two items (time passing in a test on the autojump clock)."""
 
 
 async def feeder(cfg: FeederConfig, ctx: ActorContext, *,
@@ -30,6 +32,7 @@ async def feeder(cfg: FeederConfig, ctx: ActorContext, *,
     task_status.started()
     async with out:
         for item in FEED:
+            await trio.sleep(cfg.interval_s)
             await out.send(item)
         if cfg.hold:
             await trio.sleep_forever()

@@ -4,7 +4,7 @@ reference backend in bf16 and measured mismatch against the fp32 trainer.
 bf16 engines round weights and activations differently (vLLM fuses q/k/v and gate/up and
 uses its own CPU kernels), so the two backends' log q differ at the bf16 rounding level;
 the bounds below are about 3x what we measured on this model (max 0.037, mean 0.0066;
-docs/vllm.md).
+docs/results/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.actors.weights import codec
+from fleetrl.actors.weights import codec, wire
 from fleetrl.actors.weights.version import (
     NO_VERSION,
     Layout,
@@ -103,7 +103,7 @@ def test_unchanged_model_gives_an_empty_delta(seed, chunk):
     d = codec.parse(blob)
     assert d.is_empty and d.n_entries == 0 and d.dense.size == 0
     # header + run + stream table + one byte per chunk + trailer; no stream bytes
-    assert len(blob) == (codec._FIXED.size + len("run-1") + len(codec.STREAMS) * codec._STREAM.size
+    assert len(blob) == (wire._FIXED.size + len("run-1") + len(codec.STREAMS) * wire._STREAM.size
                          + layout.n_chunks + 16)
     w = [a.copy() for a in old]
     assert codec.apply(w, blob, layout, current_version=0, current_digest=digest(layout, old)) == []

@@ -1,4 +1,4 @@
-"""The compiled varint kernels against a plain-Python oracle of docs/delta-format.md."""
+"""The compiled varint kernels against a plain-Python oracle of docs/reference/delta-format.md."""
 
 import numpy as np
 import pytest
@@ -44,7 +44,7 @@ def encoded(positions, values):
 
 
 def test_the_documented_example():
-    """docs/delta-format.md: positions 0, 5, 300 with XOR words 0x0001, 0x0080, 0xFFFF."""
+    """docs/reference/delta-format.md: positions 0, 5, 300 with XOR words 0x0001, 0x0080, 0xFFFF."""
     gh, gt, vh, vt = encoded([0, 5, 300], [0x0001, 0x0080, 0xFFFF])
     assert gh.tobytes() == bytes([0x00, 0x04, 0xA6]) and gt.tobytes() == bytes([0x02])
     assert vh.tobytes() == bytes([0x01, 0x80, 0xFF]) and vt.tobytes() == bytes([0x01, 0xFF, 0x03])

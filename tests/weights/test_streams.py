@@ -11,7 +11,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.actors.weights import codec, streams
+from fleetrl.actors.weights import codec, streams, wire
 from fleetrl.actors.weights.version import Layout, TensorSpec, chunk_hashes, digest_of
 
 from .test_threads import SPECS, model, mutated
@@ -58,7 +58,7 @@ def _stored_streams(blob: bytes) -> tuple[int, list[int]]:
     """Offset of the stream table and of each stored stream in ``blob``."""
     d = codec.read(blob)
     run_len = len(d.run.encode())
-    table = codec._FIXED.size + run_len
+    table = wire._FIXED.size + run_len
     lens = [struct.unpack_from("<Q", blob, table + 32 * s)[0] for s in range(len(codec.STREAMS))]
     at = (table + 32 * len(codec.STREAMS) + d.n_chunks + 12 * int((d.kinds == codec.SPARSE).sum())
           + 16 * int((d.kinds != codec.UNCHANGED).sum()))

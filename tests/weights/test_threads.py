@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetrl.actors.weights import codec, streams
+from fleetrl.actors.weights.composer import _merge_xor
 from fleetrl.actors.weights.version import (
     Layout,
     TensorSpec,
@@ -121,7 +122,7 @@ def test_merge_xor_matches_a_dictionary_reference(a, b):
     for p, v in a + b:
         ref[p] = ref.get(p, 0) ^ v
     ref = {p: v for p, v in ref.items() if v}
-    pos, val = codec._merge_xor(
+    pos, val = _merge_xor(
         np.array([p for p, _ in a], dtype=np.int64), np.array([v for _, v in a], dtype=np.uint16),
         np.array([p for p, _ in b], dtype=np.int64), np.array([v for _, v in b], dtype=np.uint16))
     assert pos.tolist() == sorted(ref)

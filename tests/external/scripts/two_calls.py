@@ -2,7 +2,7 @@
 (configured only by OPENAI_BASE_URL / OPENAI_API_KEY), then the answers written into the
 sandbox with docker exec, as the sandbox user, in its work dir."""
 
-import os, subprocess, sys
+import os, subprocess
 import openai
 client = openai.OpenAI(max_retries=0, timeout=30)  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
 model = os.environ["FLEETRL_MODEL"]

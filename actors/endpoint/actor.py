@@ -1,0 +1,117 @@
+"""The endpoint actor: the OpenAI-compatible, token-recording endpoint served by the daemon.
+
+``run(cfg: EndpointActorConfig, ctx, *, task_status)`` builds
+`fleetrl.harness.openai_api.create_app` over a model client (a torch backend of its
+own, or the sampler pool actor's handle: the environment worker's `LocalModelClient` /
+`PoolModelClient`, from `fleetrl.actors.envworker.model.open_model`) and one
+`AttemptRegistry`, and mounts it on the daemon's control plane at ``/v1`` without the
+control token (the endpoint checks the per-attempt keys itself). A harness then talks
+to ``http://127.0.0.1:PORT/v1`` (PORT from ``<state>/control.json``).
+
+It starts with an `EndpointHandle` (the registry to open and close attempts in, the
+base URL a harness is pointed at, the served model name): other actors of the same
+daemon reach it with ``await ctx.handle(name)``. The environment worker's external
+harness (``harness = "external"``, ``endpoint = NAME``) does.
+
+The registry outlives a restart of the actor (the new incarnation takes it from
+``ctx.previous_handle``), so attempts opened before a crash keep recording once the
+endpoint is back. It reads no messages; at shutdown it keeps serving until its inbox
+ends, which happens once every actor holding its handle (the workers, finishing their
+attempts in their drain grace) has returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Never
+
+import msgspec
+import trio
+
+from fleetrl.actors.envworker.model import open_model
+from fleetrl.daemon.actor import ActorContext
+from fleetrl.daemon.state import read_control
+from fleetrl.harness.openai_api import AttemptRegistry, create_app
+
+from .config import EndpointActorConfig
+
+__all__ = ["PREFIX", "EndpointHandle", "EndpointStatistics", "Inbox", "base_url_of", "client_host", "run"]
+
+PREFIX = "/v1"
+"""Where the endpoint is mounted on the control plane (its routes are ``/v1/...``)."""
+
+Inbox = Never
+"""The endpoint takes no messages; it serves HTTP."""
+
+
+class EndpointStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    open_attempts: int
+    """Attempts whose keys are open now."""
+
+
+@dataclass(frozen=True)
+class EndpointHandle:
+    """What another actor needs to run a harness against the endpoint."""
+
+    registry: AttemptRegistry
+    base_url: str
+    """``http://HOST:PORT/v1`` of the control plane."""
+    model_name: str
+
+    def statistics(self) -> EndpointStatistics:
+        return EndpointStatistics(open_attempts=len(self.registry))
+
+
+def client_host(host: str) -> str:
+    """The address a local client dials for a server bound to ``host`` (wildcards -> loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def base_url_of(daemon_dir: Any) -> str:
+    """``http://HOST:PORT/v1`` of the daemon's control plane (from ``control.json``)."""
+    try:
+        host, port = read_control(daemon_dir)
+    except FileNotFoundError:
+        raise ValueError("the endpoint actor needs the control plane: set [http] enabled = true "
+                         f"(no control.json in {daemon_dir})") from None
+    return f"http://{client_host(host)}:{port}{PREFIX}"
+
+
+class _KeepFullPath:
+    """Mounted apps see ``root_path`` = the prefix and Starlette routes on the path
+    without it; the endpoint's routes are the full ``/v1/...`` paths, so the prefix is
+    taken back out of ``root_path`` before the app sees the request."""
+
+    def __init__(self, app: Any, prefix: str) -> None:
+        self.app = app
+        self.prefix = prefix
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        root = scope.get("root_path", "")
+        if root.endswith(self.prefix):
+            scope = dict(scope)
+            scope["root_path"] = root[: -len(self.prefix)]
+        await self.app(scope, receive, send)
+
+
+async def run(cfg: EndpointActorConfig, ctx: ActorContext, *,
+              task_status: trio.TaskStatus[EndpointHandle] = trio.TASK_STATUS_IGNORED) -> None:
+    """The endpoint actor (see the module docstring)."""
+    base_url = base_url_of(ctx.daemon_dir)
+    model = await open_model(cfg.model, ctx)
+    held = ctx.previous_handle
+    if held is not None and held.registry.tokenizer.vocab_size == model.tokenizer.vocab_size:
+        registry = held.registry  # a restart: attempts opened before it keep recording
+    else:
+        registry = AttemptRegistry(model.tokenizer)
+    app = create_app(model, registry, cfg.endpoint_config())
+    ctx.mount(PREFIX, _KeepFullPath(app, PREFIX), auth=False)
+    ctx.log.info("openai endpoint serving", url=base_url, model=cfg.model_name)
+    task_status.started(EndpointHandle(registry=registry, base_url=base_url, model_name=cfg.model_name))
+    async for msg in ctx.inbox:  # ends at shutdown once every holder of the handle has returned
+        ctx.log.warning("message ignored", type=type(msg).__name__)
+    ctx.log.info("openai endpoint stopped", open_attempts=len(registry))

@@ -1,0 +1,90 @@
+"""The environment worker actor (``fleetrl.actors.envworker:run``).
+
+``run(cfg: EnvWorkerConfig, ctx, *, task_status)`` loads the harness (by import path,
+`harnesses.load_harness`, or ``harness = "external"``), opens the task source and the
+model client (`model.open_model`: a torch backend of its own, or the sampler pool's
+handle), restores the task cursor, opens a sandbox pool (containers labelled with
+``Ownership.for_state_dir(daemon_dir, owner=instance_id, run=run_id)``; every container
+is removed when the pool closes), and runs the task loop (`worker._Worker`), which is
+also its handle. It reads no messages: it produces `RolloutGroup`s and `RolloutFailed`s
+for ``target`` (and ``failures_to``).
+
+``harness = "external"``: the harness is an `ExternalHarness` running the configured
+command (``harness_config`` = an `ExternalCommand`) against the endpoint actor named by
+``endpoint`` (same daemon; its handle): each attempt opens a key in the endpoint's
+`AttemptRegistry`, and the `AttemptRecord` of the command's calls, closed when it ends,
+is the attempt's trajectory. The worker then loads no model of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Never
+
+import trio
+
+from fleetrl.daemon.actor import ActorContext
+from fleetrl.harness.external import ExternalHarness
+from fleetrl.harness.protocol import Harness
+from fleetrl.sandboxes import Ownership, WarmPolicy, open_sandbox_pool
+
+from .config import EXTERNAL, EnvWorkerConfig
+from .cursor import CursorState, TaskCursor
+from .harnesses import load_harness
+from .model import open_model
+from .sources import open_task_source
+from .worker import _Worker
+
+__all__ = ["Inbox", "run"]
+
+Inbox = Never
+"""An environment worker takes no messages; it produces groups and failures."""
+
+
+def _sender(ctx: ActorContext, name: str, key: str) -> trio.MemorySendChannel[Any]:
+    try:
+        return ctx.sender(name)
+    except KeyError:
+        raise ValueError(f"{key} = {name!r} is not an actor of this daemon") from None
+
+
+async def _external_harness(cfg: EnvWorkerConfig, ctx: ActorContext) -> Harness:
+    """``harness = "external"``: the command against the endpoint actor ``cfg.endpoint``,
+    which runs in this daemon (waits until it has started)."""
+    assert cfg.endpoint is not None  # the config checks it
+    try:
+        handle = await ctx.handle(cfg.endpoint)
+    except KeyError:
+        raise ValueError(f"endpoint = {cfg.endpoint!r} is not an actor of this daemon") from None
+    ctx.log.info("external harness", argv=list(cfg.external_command().argv), endpoint=handle.base_url)
+    return ExternalHarness(cfg.external_command(), registry=handle.registry, base_url=handle.base_url,
+                           model_name=handle.model_name)
+
+
+async def run(cfg: EnvWorkerConfig, ctx: ActorContext, *,
+              task_status: trio.TaskStatus[_Worker] = trio.TASK_STATUS_IGNORED) -> None:
+    """The environment worker actor (see the module docstring)."""
+    external = cfg.harness == EXTERNAL
+    harness = None if external else load_harness(cfg.harness, cfg.harness_config)
+    source = await trio.to_thread.run_sync(open_task_source, cfg.tasks, ctx.log)
+    cursor = TaskCursor(ctx.restored_as(CursorState))
+
+    async def checkpoint() -> CursorState:
+        return cursor.state()
+    ctx.on_checkpoint(checkpoint)
+    if external:
+        harness, model = await _external_harness(cfg, ctx), None
+    else:
+        assert cfg.model is not None  # the config checks it
+        model = await open_model(cfg.model, ctx)
+    out = _sender(ctx, cfg.target, "target")
+    failures_out = out if cfg.failures_to in (None, cfg.target) else _sender(ctx, cfg.failures_to, "failures_to")
+    ownership = Ownership.for_state_dir(ctx.daemon_dir, owner=ctx.instance_id, run=ctx.run_id)
+    s = cfg.sandbox
+    policy = WarmPolicy(min_warm=s.min_warm, max_warm=s.max_warm, max_containers=s.max_containers)
+    async with open_sandbox_pool(ownership, policy=policy) as pool:
+        worker = _Worker(cfg, ctx, harness=harness, model=model, pool=pool, out=out,
+                         failures_out=failures_out, cursor=cursor)
+        ctx.log.info("environment worker ready", tasks=source.describe, floor=cursor.floor,
+                     group_size=cfg.group_size, max_concurrent_attempts=cfg.max_concurrent_attempts)
+        task_status.started(worker)
+        await worker.run(source)

@@ -1,0 +1,386 @@
+"""The sampler pool: routes generate requests over local and remote samplers.
+
+`SamplerPool` is the in-process core (no daemon needed, so tests and benches use it
+directly); the actor (`fleetrl.actors.pool.actor`) builds one from `PoolConfig`, keeps
+its local samplers alive, mounts the join endpoint for remote samplers, exports
+metrics, serves `GenerateRequest`s from its inbox, and starts with the pool as its
+handle: other actors in the daemon call it directly, ``pool = await
+ctx.handle("pool")`` then ``await pool.generate(request)``.
+
+What the pool guarantees:
+
+* every request gets exactly one answer: a `Generation`, or a `GenerateFailed` when the
+  request itself is bad or has broken ``max_tries`` samplers;
+* a request is only ever routed to a live sampler whose weights are new enough
+  (`routing.feasible`); when none is, it waits (the trainer's next version or a
+  sampler catching up wakes it);
+* prompt affinity (``affinity``, on by default): a request whose prompt token ids
+  equal those of a request still outstanding goes to that request's sampler while it
+  is feasible and has a free slot (`routing.with_affinity`), so a group's attempts
+  share a batch and a batching backend can prefill their prompt once; the memory of a
+  prompt ends with its last outstanding request (`routing.AffinityTable`);
+* a sampler that dies (its connection drops, its backend raises), fails a health check,
+  or does not answer a request within ``request_timeout_s`` is taken out; the requests
+  it held go back to routing and are served by others, nothing is lost;
+* local samplers are restarted (after ``restart_backoff_s``); remote ones rejoin by
+  themselves (the remote client reconnects with backoff);
+* each `Generation` carries its cost (``cost_usd``): the answering sampler's price
+  times the busy seconds charged to the request (`registry`);
+* pacing: ``async with pool.attempt(id)`` admits an attempt only while it cannot end
+  up staler than ``max_staleness`` (`pacing`), and `released` hands finished attempts
+  on in admission order (the order the bound assumes the trainer takes them in);
+  nothing finished is dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+import trio
+
+from fleetrl.daemon import messages as m
+
+from .local import LocalSampler, SamplerHandle, SamplerLost
+from .pacing import Admission, Pacer
+from .registry import Registry
+from .routing import AffinityTable, Bounds, policy_named, prompt_key, with_affinity
+
+__all__ = ["PacedAttempt", "PoolStatistics", "SamplerPool"]
+
+
+class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """What the pool has done (its handle's ``statistics()``; /status and /metrics)."""
+
+    trainer_version: int
+    samplers_live: int
+    samplers_remote: int
+    answered: int
+    """Requests answered with a Generation."""
+    rerouted: int
+    """Times a request was taken off a sampler and routed again."""
+    failed: int
+    """Requests answered with GenerateFailed."""
+    attempts_in_flight: int
+    """Admitted attempts the pacer has not released yet."""
+    attempts_waiting: int
+    """Finished attempts waiting for earlier ones (release in admission order)."""
+    stale_reports: int
+    """Stale-group reports the trainer sent."""
+
+
+class PacedAttempt:
+    """An admitted attempt inside `SamplerPool.attempt`; set `result` before leaving."""
+
+    __slots__ = ("admission", "result")
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.result: Any = None
+
+
+class SamplerPool:
+    """The routing core (see the module docstring)."""
+
+    def __init__(self, *, policy: str = "least_loaded", max_staleness: int = 2,
+                 max_latency_s: float = math.inf, request_timeout_s: float = 600.0,
+                 max_tries: int = 5, attempts_per_step: int = 64, trainer_version: int = 0,
+                 affinity: bool = True, log: Any = None) -> None:
+        self.policy_name = policy
+        self._policy = policy_named(policy)
+        self.affinity: AffinityTable | None = AffinityTable() if affinity else None
+        """Prompt -> sampler of its outstanding requests (None: affinity off)."""
+        self.max_staleness = max_staleness
+        self.max_latency_s = max_latency_s
+        self.request_timeout_s = request_timeout_s
+        self.max_tries = max_tries
+        self.registry = Registry()
+        self.handles: dict[str, SamplerHandle] = {}
+        self.trainer_version = trainer_version
+        self.latest: m.WeightVersionAvailable | None = None
+        self.pacer = Pacer(max_staleness=max_staleness, attempts_per_step=attempts_per_step,
+                           start_version=trainer_version)
+        self.log = log
+        self._changed = trio.Event()
+        self._inflight: dict[str, set[trio.CancelScope]] = {}
+        self._dead_events: dict[str, trio.Event] = {}
+        self._listeners: list[Callable[[m.WeightVersionAvailable], Awaitable[None]]] = []
+        self._ready: list[tuple[Admission, Any, bool]] = []  # released, not yet taken
+        self.answered = 0
+        self.rerouted = 0
+        self.failed = 0
+        self.stale_reports = 0
+        self._ids = itertools.count(1)
+
+    def statistics(self) -> PoolStatistics:
+        """What the pool has done so far (the pool actor's handle record)."""
+        live = [r for r in self.registry.records() if r.alive]
+        return PoolStatistics(trainer_version=self.trainer_version, samplers_live=len(live),
+                              samplers_remote=sum(1 for r in live if r.remote), answered=self.answered,
+                              rerouted=self.rerouted, failed=self.failed,
+                              attempts_in_flight=self.pacer.in_flight, attempts_waiting=self.pacer.waiting,
+                              stale_reports=self.stale_reports)
+
+    # -- membership ---------------------------------------------------------------------
+    def add(self, handle: SamplerHandle, identity: m.SamplerIdentity, *, price_per_hour: float,
+            capacity: int, remote: bool, version: int = 0, digest: str = "") -> None:
+        """Register a live sampler (replacing a dead record of the same id)."""
+        sid = handle.sampler_id
+        if sid in self.handles:
+            raise ValueError(f"sampler {sid!r} is already registered")
+        self.registry.add(identity, price_per_hour=price_per_hour, capacity=capacity, remote=remote,
+                          version=version, digest=digest, now=trio.current_time())
+        self.handles[sid] = handle
+        self._inflight[sid] = set()
+        self._dead_events[sid] = trio.Event()
+        self._emit("sampler joined", sampler=sid, remote=remote, version=version,
+                   backend=identity.backend, dtype=identity.dtype)
+        self._notify()
+
+    def new_sampler_id(self, prefix: str) -> str:
+        while True:
+            sid = f"{prefix}-{next(self._ids)}"
+            if sid not in self.registry:
+                return sid
+
+    def mark_dead(self, sampler_id: str, reason: str) -> None:
+        """Take a sampler out: no new requests; its in-flight ones are re-routed."""
+        handle = self.handles.pop(sampler_id, None)
+        if handle is None:
+            return
+        self.registry.mark_dead(sampler_id)
+        if self.affinity is not None:
+            self.affinity.forget_sampler(sampler_id)
+        for scope in self._inflight.pop(sampler_id, set()):
+            scope.cancel()
+        self._dead_events.pop(sampler_id).set()
+        self._emit("sampler lost", sampler=sampler_id, reason=reason, level="warning")
+        self._notify()
+
+    async def wait_dead(self, sampler_id: str) -> None:
+        ev = self._dead_events.get(sampler_id)
+        if ev is not None:
+            await ev.wait()
+
+    def set_sampler_version(self, sampler_id: str, version: int, digest: str) -> None:
+        if sampler_id in self.registry:
+            self.registry.set_version(sampler_id, version, digest, trio.current_time())
+            self._notify()
+
+    def heard_from(self, sampler_id: str) -> None:
+        if sampler_id in self.registry:
+            self.registry.seen(sampler_id, trio.current_time())
+
+    # -- versions -------------------------------------------------------------------------
+    def on_version(self, listener: Callable[[m.WeightVersionAvailable], Awaitable[None]]) -> None:
+        """Call `listener` (in the nursery given to `announce`) for every new version."""
+        self._listeners.append(listener)
+
+    def announce(self, msg: m.WeightVersionAvailable, nursery: trio.Nursery) -> None:
+        """The trainer published `msg.version`: move the staleness bound, tell samplers."""
+        if msg.version < self.trainer_version:
+            self._emit("old weight version ignored", version=msg.version, current=self.trainer_version,
+                       level="warning")
+            return
+        self.trainer_version = msg.version
+        self.latest = msg
+        self.pacer.advance(msg.version)
+        for listener in list(self._listeners):
+            nursery.start_soon(listener, msg)
+        self._notify()
+
+    def set_trainer_version(self, version: int) -> None:
+        """Move the staleness bound without a delta message (tests, embedded use)."""
+        self.trainer_version = max(self.trainer_version, version)
+        self.pacer.advance(self.trainer_version)
+        self._notify()
+
+    # -- pacing ---------------------------------------------------------------------------
+    async def admit(self, attempt_id: str) -> Admission:
+        """Wait until a new attempt may start without risking the staleness bound.
+        Every admitted attempt must be ended with `finish` (or use `attempt`)."""
+        while True:
+            oldest = self.registry.oldest_live_version()
+            oldest = self.trainer_version if oldest is None else min(oldest, self.trainer_version)
+            # routing never uses weights older than trainer_version - max_staleness
+            oldest = max(oldest, self.trainer_version - self.max_staleness)
+            adm = self.pacer.try_admit(attempt_id, oldest)
+            if adm is not None:
+                return adm
+            await self._wait_change()
+
+    def finish(self, attempt_id: str, result: Any = None, *, failed: bool = False) -> None:
+        """An admitted attempt ended with `result` (`failed`: without one). Every finished
+        attempt whose predecessors have all ended moves, in admission order, to the
+        releases that `released` hands out."""
+        self.pacer.finish(attempt_id, result, failed=failed)
+        ready = self.pacer.take_ready()
+        if ready:
+            self._ready.extend(ready)
+            self._notify()
+
+    async def released(self) -> list[tuple[Admission, Any, bool]]:
+        """Wait for released attempts and take them: ``(admission, result, failed)`` in
+        admission order. The bound assumes the trainer consumes results in this order."""
+        while not self._ready:
+            await self._wait_change()
+        out, self._ready = self._ready, []
+        return out
+
+    @asynccontextmanager
+    async def attempt(self, attempt_id: str) -> AsyncIterator[PacedAttempt]:
+        """Pacing for one attempt::
+
+            async with pool.attempt(attempt_id) as att:   # waits for admission
+                ...                                        # generate, score
+                att.result = trajectory
+
+        Leaving normally finishes the attempt with ``att.result``; leaving by an
+        exception (cancellation included) finishes it as failed. Either way it keeps
+        its place in the order and comes out of `released` once its predecessors ended."""
+        att = PacedAttempt(await self.admit(attempt_id))
+        try:
+            yield att
+        except BaseException:
+            self.finish(attempt_id, failed=True)
+            raise
+        self.finish(attempt_id, att.result)
+
+    # -- serving --------------------------------------------------------------------------
+    def bounds(self, request: m.GenerateRequest) -> Bounds:
+        return Bounds(trainer_version=self.trainer_version, max_staleness=self.max_staleness,
+                      min_version=request.min_version, max_latency_s=self.max_latency_s)
+
+    async def _route(self, request: m.GenerateRequest, key: bytes | None) -> str:
+        """The sampler for `request`: with affinity (`key` given), the one holding other
+        requests with the same prompt if it can take it, else the policy's choice."""
+        while True:
+            views, bounds = self.registry.views(trio.current_time()), self.bounds(request)
+            if key is None or self.affinity is None:
+                sid = self._policy(views, bounds)
+            else:
+                sid = with_affinity(self._policy, views, bounds, self.affinity.sampler_for(key))
+            if sid is not None and sid in self.handles:
+                return sid
+            await self._wait_change()
+
+    async def generate(self, request: m.GenerateRequest) -> m.Generation | m.GenerateFailed:
+        """Answer `request` (see the module docstring for the guarantees)."""
+        problems: list[str] = []
+        key = None
+        if self.affinity is not None:
+            key = prompt_key(request.prompt_ids.dtype, request.prompt_ids.data)
+        while True:
+            sid = await self._route(request, key)
+            handle = self.handles[sid]
+            record = self.registry.assign(sid)
+            if key is not None and self.affinity is not None:
+                self.affinity.routed(key, sid)  # no checkpoint since _route: the memory is current
+            scope = trio.CancelScope(deadline=trio.current_time() + self.request_timeout_s)
+            self._inflight[sid].add(scope)
+            t_start: float | None = None
+            mark: float | None = None
+
+            def started() -> None:
+                nonlocal t_start, mark
+                t_start = trio.current_time()
+                mark = self.registry.started(sid, t_start, record=record)
+
+            result: m.Generation | m.GenerateFailed | None = None
+            lost: str | None = None
+            try:
+                with scope:
+                    result = await handle.generate(request, started)
+            except SamplerLost as exc:
+                lost = str(exc)
+            except BaseException:  # the caller gave up (cancelled): the request is over here
+                self.registry.ended(sid, trio.current_time(), ran=t_start is not None, mark=mark, record=record)
+                self._notify()
+                raise
+            finally:
+                live = self._inflight.get(sid)
+                if live is not None:
+                    live.discard(scope)
+                if key is not None and self.affinity is not None:
+                    self.affinity.ended(key)
+            now = trio.current_time()
+            if result is None and lost is None:  # our scope was cancelled
+                if sid in self.handles:  # not by mark_dead: the deadline passed
+                    lost = f"no answer within request_timeout_s={self.request_timeout_s}"
+                    self.mark_dead(sid, lost)
+                else:
+                    lost = "sampler taken out while serving"
+            elif lost is not None:
+                self.mark_dead(sid, lost)
+            ok = isinstance(result, m.Generation)
+            busy_s = self.registry.ended(sid, now, ran=t_start is not None,
+                                         tokens=result.token_ids.shape[0] if ok else 0,
+                                         latency_s=(now - t_start) if ok and t_start is not None else None,
+                                         failed=not ok, mark=mark, record=record)
+            self._notify()
+            if ok:
+                self.answered += 1
+                price = record.price_per_hour
+                return msgspec.structs.replace(result, cost_usd=price / 3600.0 * busy_s)
+            if isinstance(result, m.GenerateFailed) and not result.retryable:
+                self.failed += 1
+                return result
+            problems.append(f"{sid}: {lost if lost is not None else result.reason}")
+            self.rerouted += 1
+            self._emit("request re-routed", request=request.request_id, sampler=sid, why=problems[-1])
+            if len(problems) >= self.max_tries:
+                self.failed += 1
+                return m.GenerateFailed(request_id=request.request_id, retryable=True,
+                                        reason=f"failed on {len(problems)} samplers: " + "; ".join(problems))
+
+    # -- local samplers -------------------------------------------------------------------
+    async def keep_local(self, sampler_id: str, factory: Callable[[], Any], *, price_per_hour: float,
+                         capacity: int, restart_backoff_s: float,
+                         on_start: Callable[[LocalSampler], Awaitable[None]] | None = None,
+                         max_batch: int = 64) -> None:
+        """Run a local sampler for ever: build its backend (in a thread), register it,
+        wait until it is taken out, then rebuild it after `restart_backoff_s`."""
+        while True:
+            try:
+                backend = await trio.to_thread.run_sync(factory)
+            except Exception as exc:
+                self._emit("local sampler failed to start", sampler=sampler_id,
+                           error=f"{type(exc).__name__}: {exc}", level="error")
+                await trio.sleep(max(restart_backoff_s, 0.1))
+                continue
+            sampler = LocalSampler(sampler_id, backend, capacity=capacity, max_batch=max_batch)
+            try:
+                v = backend.weight_version
+                self.add(sampler, sampler.identity, price_per_hour=price_per_hour, capacity=capacity,
+                         remote=False, version=v.version, digest=v.digest)
+                if on_start is not None:
+                    await on_start(sampler)
+                await self.wait_dead(sampler_id)
+            finally:  # also when the actor stops: a vLLM engine holds memory until closed
+                await sampler.aclose()
+            await trio.sleep(restart_backoff_s)
+            self._emit("restarting local sampler", sampler=sampler_id)
+
+    async def health_loop(self, interval_s: float) -> None:
+        """Check every sampler each `interval_s`; take out the ones that fail."""
+        while True:
+            await trio.sleep(interval_s)
+            for sid, handle in list(self.handles.items()):
+                if not await handle.health():
+                    self.mark_dead(sid, "health check failed")
+
+    # -- internals ------------------------------------------------------------------------
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _wait_change(self) -> None:
+        await self._changed.wait()
+
+    def _emit(self, event: str, level: str = "info", **kw: Any) -> None:
+        if self.log is not None:
+            getattr(self.log, level)(event, **kw)

@@ -1,0 +1,310 @@
+"""Requests to the OpenAI-compatible endpoint, parsed and checked (pure).
+
+`chat_request` and `completion_request` turn a decoded request body into a typed
+request, in the order OpenAI checks: the first invalid value is an `ApiError` 400
+(OpenAI's error body, ``param`` naming the field), an unknown model a 404.
+Parameters we do not know or do not implement are not errors: they are collected in
+``ignored`` (the endpoint logs them and names them in a response header).
+`sampling_params` fits the generation to the room the prompt leaves in the context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import msgspec
+
+from fleetrl.daemon.messages import SamplingParams
+
+from .chat import ChatMessage, ChatTokenizer
+from .errors import ApiError
+
+__all__ = [
+    "ChatRequest",
+    "Common",
+    "CompletionRequest",
+    "EndpointConfig",
+    "chat_request",
+    "completion_request",
+    "parse_body",
+    "sampling_params",
+]
+
+
+class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the endpoint serves.
+
+    ``model_name``: the one model id it serves (others get 404). ``context_length``:
+    prompt plus generation, in tokens. ``default_max_tokens``: generation length when
+    a request gives none (always capped at the room left in the context).
+    ``max_body_bytes``: larger request bodies get 413.
+    """
+
+    model_name: str = "fleetrl"
+    context_length: int = 4096
+    default_max_tokens: int = 512
+    max_body_bytes: int = 8 << 20
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("EndpointConfig.model_name must not be empty")
+        for name in ("context_length", "default_max_tokens", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EndpointConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+
+def _bad(param: str, message: str, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code=code)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _type_name(v: object) -> str:
+    return {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
+            list: "array", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_num(v):
+        raise _bad(name, f"must be a number, got {_type_name(v)}", "invalid_type")
+    if v > hi or v < lo or (lo_open and v == lo):
+        left = "(" if lo_open else "["
+        raise _bad(name, f"must be in {left}{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise _bad(name, f"must be an integer, got {_type_name(v)}", "invalid_type")
+    if v < lo or (hi is not None and v > hi):
+        raise _bad(name, f"must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
+    return v
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(name, f"must be a boolean, got {_type_name(v)}", "invalid_type")
+    return v
+
+
+def _stops(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _bad("stop", "must be a string or an array of strings", "invalid_type")
+    if len(v) > 4:
+        raise _bad("stop", f"at most 4 stop sequences, got {len(v)}")
+    if any(not s for s in v):
+        raise _bad("stop", "stop sequences must not be empty")
+    return v
+
+
+_SAMPLING = {"model", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "n", "stream",
+             "stream_options"}
+_CHAT_KNOWN = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_COMPLETION_KNOWN = _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+_MESSAGE_KNOWN = {"role", "content"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class Common(msgspec.Struct, frozen=True, kw_only=True):
+    """The checked parameters both kinds of request share; ``ignored``: the request's
+    parameters that are ignored (unknown or not implemented)."""
+
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int | None
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    ignored: list[str]
+
+
+def _common(body: dict, known: set[str], config: EndpointConfig) -> Common:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("model", "is required and must be a string", "invalid_type" if "model" in body else "missing")
+    if model != config.model_name:
+        raise ApiError(404, f"the model {model!r} does not exist; this endpoint serves {config.model_name!r}",
+                       param="model", code="model_not_found")
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    top_k = _int(body, "top_k", -1)
+    if top_k is not None and top_k in (0, -1):
+        top_k = None  # vLLM's "no cap"
+    seed = _int(body, "seed", 0, 2**63 - 1)
+    n = _int(body, "n", 1)
+    if n is not None and n != 1:
+        raise _bad("n", f"only n=1 is supported, got {n}", "unsupported_value")
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _bad("stream_options", f"must be an object, got {_type_name(opts)}", "invalid_type")
+        include_usage = _bool(opts, "include_usage")
+    ignored = sorted(k for k in body if k not in known)
+    return Common(temperature=1.0 if temperature is None else temperature,
+                   top_p=1.0 if top_p is None else top_p, top_k=top_k, seed=seed, stops=_stops(body),
+                   stream=stream, include_usage=include_usage, ignored=ignored)
+
+
+def _content_text(content: object, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{where}.content[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                           "unsupported_value")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"{where}.content", f"must be a string or an array of text parts, got {_type_name(content)}",
+               "invalid_type")
+
+
+def _messages(body: dict, ignored: list[str]) -> list[ChatMessage]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        raise _bad("messages", "is required and must be an array" if msgs is None else
+                   f"must be an array, got {_type_name(msgs)}", "invalid_type")
+    if not msgs:
+        raise _bad("messages", "must hold at least one message")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, f"must be an object, got {_type_name(m)}", "invalid_type")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise _bad(f"{where}.role", f"must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
+        out.append(ChatMessage(role, _content_text(m.get("content"), where)))
+        ignored.extend(f"{where}.{k}" for k in m if k not in _MESSAGE_KNOWN)
+    return out
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object; anything else is an `ApiError` 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}", code="invalid_json")
+    return body
+
+
+class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A checked ``POST /v1/chat/completions`` body. ``max_tokens``: the requested
+    generation length (None: the endpoint's default). ``top_logprobs``: alternatives
+    per token (0: none). ``ignored``: the parameters ignored, message fields included."""
+
+    common: Common
+    messages: list[ChatMessage]
+    max_tokens: int | None
+    logprobs: bool
+    top_logprobs: int
+    ignored: list[str]
+
+
+def chat_request(body: dict, config: EndpointConfig) -> ChatRequest:
+    """Check a chat completion request body (module docstring)."""
+    c = _common(body, _CHAT_KNOWN, config)
+    ignored = list(c.ignored)
+    messages = _messages(body, ignored)
+    requested = _int(body, "max_completion_tokens", 1)
+    if requested is None:
+        requested = _int(body, "max_tokens", 1)
+    want_logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, 20) or 0
+    if top and not want_logprobs:
+        raise _bad("top_logprobs", "requires logprobs: true")
+    return ChatRequest(common=c, messages=messages, max_tokens=requested, logprobs=want_logprobs,
+                       top_logprobs=top, ignored=ignored)
+
+
+class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A checked ``POST /v1/completions`` body. ``prompt_ids``: the prompt as ids
+    (a text prompt encoded after ``<bos>``). ``logprobs``: alternatives per token
+    (None: no log-probabilities)."""
+
+    common: Common
+    prompt_ids: list[int]
+    max_tokens: int | None
+    logprobs: int | None
+
+
+def completion_request(body: dict, config: EndpointConfig, tok: ChatTokenizer) -> CompletionRequest:
+    """Check a completion request body (module docstring); ``tok`` encodes a text prompt."""
+    c = _common(body, _COMPLETION_KNOWN, config)
+    requested = _int(body, "max_tokens", 1)
+    top = _int(body, "logprobs", 0, 20)
+    if _bool(body, "echo"):
+        raise _bad("echo", "echo is not supported", "unsupported_value")
+    if body.get("suffix") not in (None, ""):
+        raise _bad("suffix", "suffix is not supported", "unsupported_value")
+    best_of = _int(body, "best_of", 1)
+    if best_of is not None and best_of != 1:
+        raise _bad("best_of", f"only best_of=1 is supported, got {best_of}", "unsupported_value")
+    prompt_ids = _completion_prompt(body, tok)
+    if not prompt_ids:
+        raise _bad("prompt", "is empty (and the tokenizer has no <bos> to start it)")
+    return CompletionRequest(common=c, prompt_ids=prompt_ids, max_tokens=requested, logprobs=top)
+
+
+def _completion_prompt(body: dict, tok: ChatTokenizer) -> list[int]:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        return ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(p)
+    if isinstance(p, list) and p and all(_is_int(t) for t in p):
+        for j, t in enumerate(p):
+            if not 0 <= t < tok.vocab_size:
+                raise _bad(f"prompt[{j}]", f"token id {t} is outside the vocabulary [0, {tok.vocab_size})")
+        return list(p)
+    if p is None:
+        raise _bad("prompt", "is required", "missing")
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise _bad("prompt", "only one prompt per request is supported", "unsupported_value")
+    raise _bad("prompt", "must be a string, an array of token ids, or an array holding one of those",
+               "invalid_type")
+
+
+def sampling_params(c: Common, requested: int | None, prompt_len: int, config: EndpointConfig, eos: int,
+              param: str) -> SamplingParams:
+    """The sampling of a request whose prompt is ``prompt_len`` ids: the requested
+    length (else the default) capped at the room left in the context, which must not
+    be empty (an `ApiError` 400 naming ``param``); ``eos`` always stops it."""
+    room = config.context_length - prompt_len
+    if room < 1:
+        raise ApiError(400, f"the prompt is {prompt_len} tokens; this model's context is {config.context_length} "
+                            "tokens, which leaves no room to generate", param=param,
+                       code="context_length_exceeded")
+    max_tokens = min(requested if requested is not None else config.default_max_tokens, room)
+    return SamplingParams(max_tokens=max_tokens, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                          stop_ids=(eos,), seed=c.seed)

@@ -1,0 +1,120 @@
+"""The endpoint's pure parts on their own: who a request is for (attempts), request
+checking (openai_request) and response bodies and events (openai_response)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fakes import FakeModel
+
+from fleetrl.daemon.messages import SamplingParams
+from fleetrl.harness.attempts import ATTEMPT_HEADER, AttemptRegistry, resolve_attempt
+from fleetrl.harness.chat import ChatMessage
+from fleetrl.harness.errors import ApiError
+from fleetrl.harness.openai_request import (
+    EndpointConfig,
+    chat_request,
+    completion_request,
+    parse_body,
+    sampling_params,
+)
+from fleetrl.harness.openai_response import (
+    Reply,
+    chat_body,
+    chat_events,
+    completion_body,
+    completion_events,
+    response_headers,
+)
+
+CONFIG = EndpointConfig(context_length=64, default_max_tokens=16)
+
+
+def api_error(fn, *args) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(*args)
+    return info.value
+
+
+def test_resolve_attempt_reads_the_bearer_key_then_the_header(tok):
+    registry = AttemptRegistry(tok)
+    key = registry.open_attempt("a1", "t1")
+    assert resolve_attempt(registry, {"authorization": f"Bearer {key}"})[0] == key
+    assert resolve_attempt(registry, {"authorization": "Bearer fixed", ATTEMPT_HEADER: key})[1].attempt_id == "a1"
+    assert api_error(resolve_attempt, registry, {}).code == "invalid_api_key"
+    assert api_error(resolve_attempt, registry, {"authorization": "Bearer nope"}).code == "invalid_api_key"
+    registry.close_attempt(key)
+    err = api_error(resolve_attempt, registry, {"authorization": f"Bearer {key}"})
+    assert (err.status, err.code, err.type) == (401, "attempt_closed", "authentication_error")
+
+
+def test_parse_body_wants_a_json_object():
+    assert parse_body(b'{"a": 1}') == {"a": 1}
+    for raw in (b"{", b"[1]"):
+        err = api_error(parse_body, raw)
+        assert (err.status, err.code) == (400, "invalid_json")
+
+
+def test_chat_request_collects_what_it_ignores():
+    body = {"model": "fleetrl", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}],
+                                               "name": "u"}],
+            "max_tokens": 5, "logprobs": True, "top_logprobs": 2, "frequency_penalty": 0.5}
+    req = chat_request(body, CONFIG)
+    assert req.messages == [ChatMessage("user", "hi")]
+    assert (req.max_tokens, req.logprobs, req.top_logprobs) == (5, True, 2)
+    assert req.ignored == ["frequency_penalty", "messages[0].name"]
+    err = api_error(chat_request, {**body, "logprobs": False}, CONFIG)
+    assert (err.status, err.param) == (400, "top_logprobs")
+    err = api_error(chat_request, {**body, "model": "other"}, CONFIG)
+    assert (err.status, err.code) == (404, "model_not_found")
+
+
+def test_completion_request_takes_text_or_ids(tok):
+    base = {"model": "fleetrl", "logprobs": 1}
+    req = completion_request({**base, "prompt": ["ab"]}, CONFIG, tok)
+    assert req.prompt_ids == [tok.bos_id, *b"ab"] and req.logprobs == 1
+    assert completion_request({**base, "prompt": [5, 6]}, CONFIG, tok).prompt_ids == [5, 6]
+    err = api_error(completion_request, {**base, "prompt": [5, tok.vocab_size]}, CONFIG, tok)
+    assert (err.param, err.code) == ("prompt[1]", "invalid_value")
+    err = api_error(completion_request, {**base, "prompt": "x", "echo": True}, CONFIG, tok)
+    assert (err.param, err.code) == ("echo", "unsupported_value")
+
+
+def test_sampling_params_fit_the_room_in_the_context(tok):
+    c = chat_request({"model": "fleetrl", "messages": [{"role": "user", "content": "x"}]}, CONFIG).common
+    assert sampling_params(c, None, 10, CONFIG, tok.eos_id, "messages").max_tokens == 16
+    assert sampling_params(c, 40, 60, CONFIG, tok.eos_id, "messages").max_tokens == 4
+    assert sampling_params(c, 40, 60, CONFIG, tok.eos_id, "messages").stop_ids == (tok.eos_id,)
+    err = api_error(sampling_params, c, None, 64, CONFIG, tok.eos_id, "prompt")
+    assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
+
+
+async def test_response_bodies_and_events_carry_the_recorded_call(tok):
+    registry = AttemptRegistry(tok)
+    recorder = registry.recorder(registry.open_attempt("a1", "t1"))
+    assert recorder is not None
+    model = FakeModel(tok, replies=["hello there, a longer answer"])
+    messages = [ChatMessage("user", "hi")]
+    plan = recorder.plan_chat(messages)
+    gen = await model.generate(plan.ids, SamplingParams(max_tokens=40, stop_ids=(tok.eos_id,)))
+    rec = recorder.record_chat(messages, plan, gen, ignored_params=["seed_x"])
+    reply = Reply(id="chatcmpl-1", created=7, model="fleetrl")
+
+    body = chat_body(reply, rec, None)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": rec.text}
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == len(rec.token_ids)
+    assert response_headers(rec) == {"X-Fleetrl-Call": "0", "X-Fleetrl-Ignored-Params": "seed_x"}
+
+    events = chat_events(reply, tok, rec, None, include_usage=True)
+    assert events[-1] == b"data: [DONE]\n\n" and all(e.startswith(b"data: ") for e in events)
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == rec.text
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"] == body["usage"]
+
+    text = completion_body(Reply(id="cmpl-1", created=7, model="fleetrl"), rec, None)
+    assert text["object"] == "text_completion" and text["choices"][0]["text"] == rec.text
+    events = completion_events(reply, tok, rec, None, include_usage=False)
+    pieces = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(pieces) == rec.text and len(pieces) > 2
