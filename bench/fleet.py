@@ -68,9 +68,10 @@ import trio.testing
 from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, load_tiny_llama, read_state_dict, save_tiny_llama
 from fleetrl.actors.pool.local import AsyncStoreSource, LocalSampler, WeightSync
 from fleetrl.actors.pool import SamplerPool
-from fleetrl.actors.samplers import SamplingParams, TorchBackend, TorchBackendConfig, measure_mismatch
+from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig, measure_mismatch
 from fleetrl.actors.weights import MemoryStore, Publisher, PublisherConfig, StoreSource
 from fleetrl.daemon import messages as m
+from fleetrl.daemon.messages import SamplingParams
 from fleetrl.daemon.protocol import Tensor
 from fleetrl.grpo import sampler_support
 
@@ -187,7 +188,7 @@ def switch_pause(backend, versions: list[dict[str, torch.Tensor]], prompt: list[
             pauses.append(time.perf_counter() - t0)
             assert v.version == pub.version and v.digest == pub.digest.hex()
             [gen] = await trio.to_thread.run_sync(backend.generate, [prompt], params)  # and after
-            assert set(gen.versions) == {pub.version}
+            assert set(gen.versions.to_numpy().tolist()) == {pub.version}
 
     trio.run(main)
     return {"pause_ms_median": 1e3 * statistics.median(pauses),
@@ -209,7 +210,7 @@ def full_logq(backend, prefixes: list[list[int]], vocab: int) -> torch.Tensor:
     gens = backend.generate(prefixes, SamplingParams(max_tokens=1, temperature=1.0, seed=0))
     out = torch.full((len(prefixes), vocab), float("nan"), dtype=torch.float64)
     for i, g in enumerate(gens):
-        out[i, torch.tensor(g.support_ids)] = torch.tensor(g.support_logprobs, dtype=torch.float64)
+        out[i, g.support.ids.to_torch()] = g.support.logprobs.to_torch().double()
     return out
 
 
@@ -277,7 +278,7 @@ def bench_native_rule(model_dir: Path, hf, prompts, new_tokens: int) -> dict:
     gens = TorchBackend(TorchBackendConfig(model_dir=str(model_dir))).generate(
         prompts, SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=5))
     with torch.no_grad():
-        logits = torch.cat([hf(input_ids=torch.tensor([p + list(g.token_ids)])).logits[0, len(p) - 1:-1]
+        logits = torch.cat([hf(input_ids=torch.tensor([p + g.token_ids.to_numpy().tolist()])).logits[0, len(p) - 1:-1]
                             for p, g in zip(prompts, gens)])
     out: dict = {"positions": len(logits)}
     for t, p, k in [(1.0, 0.95, None), (1.0, 0.9, 20), (0.7, 0.95, 5), (1.0, 0.8, 3)]:

@@ -150,7 +150,8 @@ async def supervised_pipeline(n: int, capacity: int, state_root: str) -> float:
 
 # -- codec -----------------------------------------------------------------------------
 def codec_roundtrips(repeats: int, loops: int) -> tuple[float, float, int]:
-    from fleetrl.daemon.messages import ROLLOUTS, example_trajectory
+    from fleetrl.daemon.examples import example_trajectory
+    from fleetrl.daemon.messages import ROLLOUTS
 
     msg = example_trajectory()
     frame = ROLLOUTS.encode(msg)

@@ -1,6 +1,6 @@
 """Per-token arrays on the wire: `Tensor` (raw bytes) vs MessagePack lists of numbers.
 
-Encodes and decodes the typical trajectory of `fleetrl.daemon.messages.example_trajectory`
+Encodes and decodes the typical trajectory of `fleetrl.daemon.examples.example_trajectory`
 (2,000 generated tokens, support K=20, 4 model calls) two ways in the same run:
 - baseline: the same fields as plain lists of ints / floats (a schema without Tensor),
   converted from / to NumPy at the edges as a consumer would;
@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 
 from fleetrl.daemon import messages
+from fleetrl.daemon.examples import example_trajectory
 
 
 class ListSegment(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,7 +80,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     a = ap.parse_args()
 
-    traj = messages.example_trajectory(a.tokens, a.k)
+    traj = example_trajectory(a.tokens, a.k)
     lists = as_lists(traj)
     enc = msgspec.msgpack.Encoder()
     list_dec = msgspec.msgpack.Decoder(ListTrajectory)

@@ -5,7 +5,8 @@ contract), `actor` (`ActorContext`, what an actor sees), `config` (TOML -> froze
 structs), `control` (HTTP control plane), `checkpoint`, `state` (the state
 directory), `logs`, `metrics`, `restart` (pure backoff arithmetic), `cli` (the
 ``fleetrl`` command), `ticker` (the heartbeat actor), and the wire protocol in
-`protocol` / `messages` / `errors`. The kernel imports nothing else of fleetrl.
+`protocol` / `messages` / `tokens` / `errors` (`examples` builds typical messages). The
+kernel imports nothing else of fleetrl.
 
 The names below are loaded lazily, so importing one small module (say
 ``fleetrl.daemon.errors``) does not pull in the HTTP server.

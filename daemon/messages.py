@@ -16,10 +16,10 @@ Each conversation is a closed tagged union wrapped in a `Codec` (see `protocol`)
 
 Per-token arrays travel as `Tensor` (raw bytes), not as lists of numbers: for a
 typical trajectory (2,000 generated tokens, support K=20) encode+decode is 25-65x
-faster and the frame a third smaller (docs/reference/protocol.md has the figures). Token ids are int32 or int64; log-probabilities float32 or float64; CSR
-offsets int64; weight versions int32 or int64. Cross-field invariants (equal lengths,
-well-formed CSR) are checked on construction and on decode, so a receiver never sees
-a message whose arrays disagree.
+faster and the frame a third smaller (docs/reference/protocol.md has the figures). The
+arrays, their support CSR and their checks are in `tokens`: cross-field invariants
+(equal lengths, well-formed CSR) are checked on construction and on decode, so a
+receiver never sees a message whose arrays disagree. `examples` builds typical messages.
 
 Evolution: append fields with defaults only; see `protocol`.
 """
@@ -30,45 +30,17 @@ import math
 from typing import Annotated, Literal
 
 import msgspec
-import numpy as np
 
 from .protocol import PROTOCOL_VERSION, Codec, Message, Record, Tensor
+from .tokens import INT_DTYPES, SupportCSR, check_token_arrays, vector_length
 
 __all__ = [
-    "ALL_MESSAGES",
-    "CONTROL",
-    "FLEET",
-    "ROLLOUTS",
-    "SAMPLER",
-    "WEIGHTS",
-    "ActorStatus",
-    "BlobRef",
-    "FinishReason",
-    "GenerateFailed",
-    "GenerateRequest",
-    "Generation",
-    "Heartbeat",
-    "Join",
-    "Leave",
-    "Pause",
-    "Refused",
-    "Resume",
-    "RolloutFailed",
-    "RolloutFailureKind",
-    "RolloutGroup",
-    "SamplerIdentity",
-    "SamplerStatus",
-    "SamplingParams",
-    "Shutdown",
-    "StatusReply",
-    "StatusRequest",
-    "SupportCSR",
-    "TokenSegment",
-    "Trajectory",
-    "Welcome",
-    "WeightVersionAvailable",
-    "example_generation",
-    "example_trajectory",
+    "ALL_MESSAGES", "CONTROL", "FLEET", "ROLLOUTS", "SAMPLER", "WEIGHTS", "ActorStatus",
+    "BlobRef", "FinishReason", "GenerateFailed", "GenerateRequest", "Generation",
+    "Heartbeat", "Join", "Leave", "Pause", "Refused", "Resume", "RolloutFailed",
+    "RolloutFailureKind", "RolloutGroup", "SamplerIdentity", "SamplerStatus",
+    "SamplingParams", "Shutdown", "StatusReply", "StatusRequest", "SupportCSR",
+    "TokenSegment", "Trajectory", "Welcome", "WeightVersionAvailable",
 ]
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -82,21 +54,6 @@ RolloutFailureKind = Literal[
 ]
 
 
-# --------------------------------------------------------------------------- array checks
-
-_INT = ("int32", "int64")
-_FLOAT = ("float32", "float64")
-
-
-def _vector(t: Tensor, name: str, dtypes: tuple[str, ...]) -> int:
-    """Length of ``t``, which must be 1-d of one of ``dtypes``; else ValueError."""
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype {' or '.join(dtypes)}, got {t.dtype}")
-    if len(t.shape) != 1:
-        raise ValueError(f"{name} must be 1-d, got shape {list(t.shape)}")
-    return t.shape[0]
-
-
 def _check_dollars(value: float, field: str) -> None:
     """An amount of money is a finite number >= 0. Construction does not run msgspec's
     range checks and no range check refuses infinity, so this does (on decode too)."""
@@ -106,28 +63,42 @@ def _check_dollars(value: float, field: str) -> None:
         raise ValueError(f"{field} must be a finite number of dollars >= 0, got {value!r}")
 
 
-def _check_tokens(token_ids: Tensor, logprobs: Tensor, support: SupportCSR, versions: Tensor) -> None:
-    n = _vector(token_ids, "token_ids", _INT)
-    for name, t, dtypes in (("logprobs", logprobs, _FLOAT), ("versions", versions, _INT)):
-        got = _vector(t, name, dtypes)
-        if got != n:
-            raise ValueError(f"{name} has {got} entries but token_ids has {n}")
-    if support.positions != n:
-        raise ValueError(f"support covers {support.positions} positions but token_ids has {n}")
-
-
 # --------------------------------------------------------------------------- records
 
 
 class SamplingParams(Record):
-    """How to sample. ``top_k=None`` means no cap; ``seed=None`` means unseeded."""
+    """How to sample one generation. Built or decoded, invalid values raise ValueError
+    naming the field (on decode: `BadMessage`, or msgspec's ValidationError)."""
 
     max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    """Most tokens to generate per prompt (the context length may end it sooner)."""
     temperature: NonNegFloat = 1.0
+    """Softmax temperature; 0 is greedy (support = the argmax, lowest id on ties)."""
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    """Nucleus mass in (0, 1]: the support is the shortest most-likely-first prefix reaching it."""
     top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Cap on the support size (None: no cap). Bounds the memory of the reported support."""
     stop_ids: tuple[NonNegInt, ...] = ()
+    """Token ids that end a sequence; the stop token is generated and reported."""
     seed: int | None = None
+    """Seed of the sampling RNG in [0, 2**63): same seed, weights, prompts and params
+    give the same tokens. None: the sampler draws one (and reports it in `Generation`)."""
+
+    def __post_init__(self) -> None:
+        # construction from Python skips the Meta constraints above, so they are repeated
+        if isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 1):
+            raise ValueError(f"SamplingParams.top_k must be >= 1 or None, got {self.top_k!r}")
+        for i, stop in enumerate(self.stop_ids):
+            if isinstance(stop, bool) or stop < 0:
+                raise ValueError(f"SamplingParams.stop_ids[{i}] must be a token id >= 0, got {stop!r}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed!r}")
 
 
 class SamplerIdentity(Record):
@@ -139,76 +110,6 @@ class SamplerIdentity(Record):
     backend: str
     device_kind: str
     dtype: str
-
-
-class SupportCSR(Record):
-    """Per-position sampling support in CSR form.
-
-    Position ``i`` could have sampled any of ``ids[offsets[i]:offsets[i+1]]``, whose
-    log-probabilities under the sampler's truncated, renormalised distribution (log
-    q^S) are the same slice of ``logprobs``. ``offsets`` (int64) has one entry per
-    position plus one, starts at 0, strictly increases (a support is never empty)
-    and ends at ``len(ids)``.
-    """
-
-    ids: Tensor
-    logprobs: Tensor
-    offsets: Tensor
-
-    def __post_init__(self) -> None:
-        n_ids = _vector(self.ids, "support.ids", _INT)
-        n_lp = _vector(self.logprobs, "support.logprobs", _FLOAT)
-        if n_lp != n_ids:
-            raise ValueError(f"support.logprobs has {n_lp} entries but support.ids has {n_ids}")
-        n_off = _vector(self.offsets, "support.offsets", ("int64",))
-        if n_off < 1:
-            raise ValueError("support.offsets must have at least one entry (0)")
-        off = self.offsets.to_numpy()
-        if off[0] != 0:
-            raise ValueError(f"support.offsets must start at 0, got {int(off[0])}")
-        if off[-1] != n_ids:
-            raise ValueError(
-                f"support.offsets ends at {int(off[-1])} but support.ids has {n_ids} entries"
-            )
-        if n_off > 1 and not (off[1:] > off[:-1]).all():
-            at = int(np.argmax(off[1:] <= off[:-1]))
-            raise ValueError(
-                f"support.offsets must strictly increase (empty support at position {at})"
-            )
-
-    @property
-    def positions(self) -> int:
-        """Number of positions covered."""
-        return self.offsets.shape[0] - 1
-
-    @classmethod
-    def from_padded(cls, ids_NK: np.ndarray, logprobs_NK: np.ndarray) -> SupportCSR:
-        """From the padded form of ``fleetrl.grpo.sampler_support`` (ids padded with -1)."""
-        ids_NK = np.asarray(ids_NK)
-        logprobs_NK = np.asarray(logprobs_NK)
-        if ids_NK.shape != logprobs_NK.shape or ids_NK.ndim != 2:
-            raise ValueError(
-                f"ids and logprobs must be N x K of one shape, got {ids_NK.shape} and "
-                f"{logprobs_NK.shape}"
-            )
-        keep = ids_NK >= 0
-        counts = keep.sum(axis=1)
-        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        ids = ids_NK[keep].astype(np.int64 if ids_NK.dtype == np.int64 else np.int32)
-        lps = logprobs_NK[keep]
-        lps = lps.astype(lps.dtype if lps.dtype.name in _FLOAT else np.float32)
-        return cls(
-            ids=Tensor.from_numpy(ids),
-            logprobs=Tensor.from_numpy(lps),
-            offsets=Tensor.from_numpy(offsets),
-        )
-
-    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids and log-probs of position ``i``'s support."""
-        off = self.offsets.to_numpy()
-        lo, hi = int(off[i]), int(off[i + 1])
-        return self.ids.to_numpy()[lo:hi], self.logprobs.to_numpy()[lo:hi]
 
 
 class TokenSegment(Record):
@@ -230,8 +131,8 @@ class TokenSegment(Record):
     cost_usd: NonNegFloat = 0.0
 
     def __post_init__(self) -> None:
-        _vector(self.prompt_ids, "prompt_ids", _INT)
-        _check_tokens(self.token_ids, self.logprobs, self.support, self.versions)
+        vector_length(self.prompt_ids, "prompt_ids", INT_DTYPES)
+        check_token_arrays(self.token_ids, self.logprobs, self.support, self.versions)
         _check_dollars(self.cost_usd, "TokenSegment.cost_usd")
 
     @classmethod
@@ -279,18 +180,25 @@ class GenerateRequest(Message):
     min_version: NonNegInt = 0
 
     def __post_init__(self) -> None:
-        if _vector(self.prompt_ids, "prompt_ids", _INT) == 0:
+        if vector_length(self.prompt_ids, "prompt_ids", INT_DTYPES) == 0:
             raise ValueError("prompt_ids must not be empty")
 
 
 class Generation(Message):
     """A sampler's answer to a `GenerateRequest` (see `TokenSegment` for the arrays).
 
+    Sampler backends build it directly, with an empty ``request_id`` and their own
+    identity; whoever serves the backend under a sampler id stamps both on it.
+
     ``cost_usd``: dollars this generation cost on the sampler that answered it, filled
     in by the sampler pool: the sampler's ``price_per_hour / 3600`` times the busy
     seconds attributed to this request (each second the sampler was busy is shared
     equally by the requests running in it then). 0.0 for a sampler without a price,
     and as sent by samplers themselves.
+
+    ``seed``: the RNG seed the sampler's batch was drawn with (drawn at random when the
+    request had none): the batch is reproducible from it. None from samplers of
+    earlier releases.
     """
 
     request_id: str
@@ -301,10 +209,16 @@ class Generation(Message):
     sampler: SamplerIdentity
     finish_reason: FinishReason
     cost_usd: NonNegFloat = 0.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
-        _check_tokens(self.token_ids, self.logprobs, self.support, self.versions)
+        check_token_arrays(self.token_ids, self.logprobs, self.support, self.versions)
         _check_dollars(self.cost_usd, "Generation.cost_usd")
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens."""
+        return self.token_ids.shape[0]
 
 
 class GenerateFailed(Message):
@@ -519,68 +433,3 @@ ALL_MESSAGES: tuple[type[Message], ...] = tuple(
     )
 )
 """Every message type of every conversation (each once)."""
-
-
-# --------------------------------------------------------------------------- examples
-
-
-_EXAMPLE_SAMPLER = SamplerIdentity(
-    sampler_id="example-0", backend="torch", device_kind="cpu", dtype="bfloat16"
-)
-
-
-def example_generation(
-    n_tokens: int = 500, k: int = 20, *, vocab: int = 151_936, version: int = 7, seed: int = 0
-) -> Generation:
-    """A realistic `Generation`: ``n_tokens`` tokens, each with a support of ``k``."""
-    rng = np.random.default_rng(seed)
-    # k distinct ids per position, spread over the vocabulary
-    start = rng.integers(0, vocab, size=(n_tokens, 1))
-    support_ids = ((start + np.arange(k) * (vocab // k)) % vocab).astype(np.int32)
-    z = rng.standard_normal((n_tokens, k)).astype(np.float32) * 3
-    z = -np.sort(-z, axis=1)  # most likely first, as samplers report it
-    support_lp = (z - np.log(np.exp(z).sum(axis=1, keepdims=True))).astype(np.float32)
-    pick = np.minimum(rng.geometric(0.5, size=n_tokens) - 1, k - 1)
-    rows = np.arange(n_tokens)
-    return Generation(
-        request_id=f"req-{seed}",
-        token_ids=Tensor.from_numpy(support_ids[rows, pick]),
-        logprobs=Tensor.from_numpy(support_lp[rows, pick]),
-        support=SupportCSR.from_padded(support_ids, support_lp),
-        versions=Tensor.from_numpy(np.full(n_tokens, version, dtype=np.int64)),
-        sampler=_EXAMPLE_SAMPLER,
-        finish_reason="stop",
-    )
-
-
-def example_trajectory(
-    n_tokens: int = 2000,
-    k: int = 20,
-    *,
-    n_segments: int = 4,
-    prompt_tokens: int = 512,
-    vocab: int = 151_936,
-    seed: int = 0,
-) -> Trajectory:
-    """A typical `Trajectory` message: ``n_tokens`` generated tokens with a support of
-    ``k`` each, over ``n_segments`` model calls whose prompts grow with the
-    conversation (first prompt ``prompt_tokens`` long). For benchmarks and tests."""
-    if n_segments < 1 or n_tokens < n_segments:
-        raise ValueError(f"need 1 <= n_segments <= n_tokens, got {n_segments}, {n_tokens}")
-    rng = np.random.default_rng(seed)
-    context = rng.integers(0, vocab, size=prompt_tokens, dtype=np.int32)
-    sizes = [n_tokens // n_segments + (i < n_tokens % n_segments) for i in range(n_segments)]
-    segments = []
-    for i, size in enumerate(sizes):
-        gen = example_generation(size, k, vocab=vocab, version=7 + i, seed=seed * 1000 + i)
-        segments.append(TokenSegment.from_generation(Tensor.from_numpy(context), gen))
-        tool_output = rng.integers(0, vocab, size=64, dtype=np.int32)
-        context = np.concatenate([context, gen.token_ids.to_numpy(), tool_output])
-    return Trajectory(
-        attempt_id=f"attempt-{seed}",
-        task_id="task-example",
-        group_id="group-example",
-        segments=tuple(segments),
-        reward=1.0,
-        metrics={"tests_passed": 3.0, "wall_s": 41.5},
-    )

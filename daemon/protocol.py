@@ -1,25 +1,22 @@
-"""Typed messages on the wire: structs, tensors, codecs, framing and a receiver loop.
+"""Typed messages on the wire: structs, tensors, codecs and the schema-evolution check.
 
 Every message fleetrl sends between processes or hosts is an immutable msgspec Struct
 derived from `Message`, encoded as MessagePack. A *conversation* (the messages two
 peers exchange on one connection) is a closed tagged union of such structs, wrapped
 in a `Codec`; decoding validates the whole message against its schema, so a receiver
 works only with well-typed values and a bad frame becomes one exception,
-`BadMessage`, that names what is wrong and where.
-
-Layers, bottom up (the first three are pure, without I/O):
+`BadMessage`, that names what is wrong and where. Everything here is pure, without I/O:
+the connections that carry the bytes (WebSocket, a local socket) are their owners' code.
 
 - `Record` / `Message`: frozen struct bases. A `Message` carries its type in a
   ``"type"`` field (the class name, or an explicit short ``tag=``); a `Record` is a
   value embedded in messages and carries no tag.
 - `Tensor`: an n-d array as raw little-endian bytes + dtype name + shape, including
   dtypes NumPy lacks (``bfloat16``, ``float8_e4m3fn``, ``float8_e5m2``: they travel
-  as raw bits).
+  as raw bits). `DTYPE_NAMES` maps the short dtype names of configs (``"bf16"``) to
+  these wire names (``"bfloat16"``).
 - `Codec`: encode/decode for one conversation.
-- `FramedStream`: length-prefixed frames over a `trio.abc.Stream`, with a maximum
-  frame size.
-- `MessageStream`: a `FramedStream` plus a `Codec`: send and receive messages.
-- `serve_messages`: a receiver loop that survives bad frames.
+- `schema_snapshot` / `evolution_problems`: check a catalogue against a released one.
 
 Schema evolution (the rule every message follows)
 -------------------------------------------------
@@ -32,33 +29,19 @@ and a new receiver fills a missing appended field with its default. A new messag
 type, or a ``type`` tag that a receiver does not know, is rejected as
 ``unknown_type``: a sender may only send a new message type to a peer that announced
 a `PROTOCOL_VERSION` that has it (see ``Join``/``Welcome`` in `messages`).
-
-Framing
--------
-A frame is a 4-byte big-endian unsigned length followed by that many bytes of
-MessagePack. Frames longer than the connection's ``max_frame`` are rejected: the
-sender refuses to send one, and a receiver that gets one reads past it (without
-keeping it) and goes on with the next frame, unless its length exceeds ``max_skip``,
-in which case the framing is taken as lost and the connection ends.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import struct
 import sys
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Union
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import msgspec
 import numpy as np
-import structlog
-import trio
-from prometheus_client import CollectorRegistry
-from prometheus_client import Counter as PromCounter
 
 from .errors import BadMessage
 
@@ -66,51 +49,24 @@ if TYPE_CHECKING:  # torch is imported lazily, inside the helpers that need it
     import torch
 
 __all__ = [
-    "DEFAULT_MAX_FRAME",
     "DTYPES",
+    "DTYPE_NAMES",
     "PROTOCOL_VERSION",
     "BadMessage",
     "Codec",
-    "FramedStream",
+    "DTypeName",
     "Message",
-    "MessageStream",
     "Record",
     "Rejected",
-    "StreamStatistics",
     "Tensor",
+    "config_dtype",
     "evolution_problems",
-    "rejected_counter",
     "schema_snapshot",
-    "serve_messages",
+    "wire_dtype",
 ]
 
 PROTOCOL_VERSION = 1
 """Version of the message catalogue; raised when a message *type* is added."""
-
-DEFAULT_MAX_FRAME = 64 * 1024 * 1024
-"""Default largest frame (bytes) a connection accepts: a 2,000-token trajectory with a
-K=20 support is about 0.4 MB, so this leaves two orders of magnitude of room."""
-
-_HEADER = struct.Struct(">I")
-_MAX_LENGTH = 2**32 - 1  # what the 4-byte header can express
-_READ_CHUNK = 65536
-
-_log = structlog.get_logger("fleetrl.protocol")
-
-
-
-def rejected_counter(registry: CollectorRegistry) -> PromCounter:
-    """The Prometheus counter of rejected frames, ``fleetrl_messages_rejected_total``
-    with labels ``conversation`` and ``kind``, created in ``registry`` (a daemon has
-    its own registry, so the protocol keeps no global metric). Pass it to
-    `MessageStream` as ``rejected``; several streams may share one."""
-    return PromCounter(
-        "fleetrl_messages_rejected",
-        "Frames rejected by a message receiver, by conversation and reason.",
-        ["conversation", "kind"],
-        registry=registry,
-    )
-
 
 # --------------------------------------------------------------------------- structs
 
@@ -135,7 +91,7 @@ class Rejected(Message):
 
     ``kind`` is a `BadMessageKind` (kept a plain string so that a kind added later
     does not break old peers); ``detail`` says what is wrong and where (at most
-    1 KiB of it, and never more than fits in a frame).
+    1 KiB of it).
     """
 
     kind: str
@@ -174,6 +130,40 @@ DTYPES: Mapping[str, _DType] = {
     )
 }
 """Dtypes a `Tensor` may carry, by the name used on the wire (torch's names)."""
+
+DTypeName = Literal["fp32", "bf16", "fp16", "fp8"]
+"""A weight dtype as configs name it (samplers, trainer)."""
+
+DTYPE_NAMES: Mapping[str, str] = {
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp8": "float8_e4m3fn",
+}
+"""Config name -> wire name (a key of `DTYPES`): the one map between the two spellings.
+A sampler's identity (``SamplerIdentity.dtype``) carries the wire name."""
+
+
+def wire_dtype(name: str) -> str:
+    """The wire name of a config dtype name (``"bf16"`` -> ``"bfloat16"``); a wire name
+    passes through unchanged. Else ValueError naming both spellings."""
+    if name in DTYPE_NAMES:
+        return DTYPE_NAMES[name]
+    if name in DTYPES:
+        return name
+    raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_NAMES)} "
+                     f"or a wire name ({', '.join(DTYPES)})")
+
+
+def config_dtype(name: str) -> str:
+    """The config name of a wire dtype name (``"bfloat16"`` -> ``"bf16"``); a config name
+    passes through unchanged. Else ValueError."""
+    for short, wire in DTYPE_NAMES.items():
+        if name in (short, wire):
+            return short
+    raise ValueError(f"dtype {name!r} has no config name; expected one of "
+                     f"{', '.join(f'{k} ({v})' for k, v in DTYPE_NAMES.items())}")
+
 
 
 class Tensor(Record):
@@ -298,8 +288,8 @@ class Codec:
     """Encoder and validating decoder for one conversation (a union of `Message` types).
 
     ``Codec("sampler", [GenerateRequest, Generation])``. With ``error_reply=True`` the
-    conversation also carries `Rejected`, which `serve_messages` sends back for each
-    frame it cannot accept.
+    conversation also carries `Rejected`, which a receiver sends back for each frame it
+    cannot accept.
     """
 
     def __init__(
@@ -389,302 +379,6 @@ class Codec:
         return BadMessage(
             detail, kind="invalid", conversation=self.name, frame_len=len(data), path=path
         )
-
-
-# --------------------------------------------------------------------------- framing
-
-
-class FramedStream(trio.abc.AsyncResource):
-    """Length-prefixed frames over a Trio byte stream.
-
-    A frame is a 4-byte big-endian length and that many payload bytes. Any number of
-    tasks may send (a lock keeps frames whole); one task at a time may receive.
-
-    ``max_frame`` bounds a frame's payload. ``max_skip`` (default ``4 * max_frame``)
-    bounds the oversized frames a receiver reads past to keep the connection: a longer
-    header is taken as lost framing (e.g. a peer that does not speak this protocol).
-    """
-
-    def __init__(
-        self,
-        stream: trio.abc.Stream,
-        *,
-        max_frame: int = DEFAULT_MAX_FRAME,
-        max_skip: int | None = None,
-        name: str = "",
-    ) -> None:
-        if not 0 < max_frame <= _MAX_LENGTH:
-            raise ValueError(f"max_frame must be in 1..{_MAX_LENGTH}, got {max_frame}")
-        self.stream = stream
-        self.max_frame = max_frame
-        self.max_skip = min(_MAX_LENGTH, 4 * max_frame if max_skip is None else max_skip)
-        self.name = name
-        self._buf = bytearray()
-        self._send_lock = trio.Lock()
-        self._receiving = False
-        self._broken: str | None = None
-
-    async def send_frame(self, payload: bytes) -> None:
-        """Send one frame; `BadMessage` ("oversized") without sending if too long."""
-        if len(payload) > self.max_frame:
-            raise BadMessage(
-                f"refusing to send a frame of {len(payload)} bytes; the limit is "
-                f"{self.max_frame}",
-                kind="oversized",
-                conversation=self.name,
-                frame_len=len(payload),
-            )
-        async with self._send_lock:
-            await self.stream.send_all(_HEADER.pack(len(payload)) + payload)
-
-    async def receive_frame(self) -> bytes:
-        """The next frame's payload.
-
-        Raises `trio.EndOfChannel` when the peer closed the stream between frames;
-        `BadMessage` with ``recoverable=True`` for an oversized frame that was read
-        past; `BadMessage` with ``recoverable=False`` when the stream ended mid-frame
-        or a length is beyond ``max_skip`` (later calls then raise
-        `trio.BrokenResourceError`).
-        """
-        if self._receiving:
-            raise trio.BusyResourceError("another task is already receiving frames")
-        if self._broken is not None:
-            raise trio.BrokenResourceError(f"framing lost earlier: {self._broken}")
-        self._receiving = True
-        try:
-            return await self._receive_frame()
-        except BadMessage as exc:
-            if not exc.recoverable:
-                self._broken = str(exc)
-            raise
-        finally:
-            self._receiving = False
-
-    async def _receive_frame(self) -> bytes:
-        if not await self._fill(_HEADER.size):
-            if not self._buf:
-                raise trio.EndOfChannel
-            raise self._truncated(f"stream ended inside a frame header ({len(self._buf)} of 4 bytes)")
-        (length,) = _HEADER.unpack_from(self._buf)
-        if length > self.max_frame:
-            if length > self.max_skip:
-                raise BadMessage(
-                    f"frame header announces {length} bytes, beyond the {self.max_skip}-byte "
-                    "skip limit: framing lost, closing the connection",
-                    kind="oversized",
-                    conversation=self.name,
-                    frame_len=length,
-                    recoverable=False,
-                )
-            del self._buf[: _HEADER.size]
-            await self._skip(length)
-            raise BadMessage(
-                f"frame of {length} bytes exceeds the {self.max_frame}-byte limit; skipped it",
-                kind="oversized",
-                conversation=self.name,
-                frame_len=length,
-            )
-        if not await self._fill(_HEADER.size + length):
-            got = len(self._buf) - _HEADER.size
-            raise self._truncated(
-                f"stream ended inside a frame: got {got} of {length} bytes", length
-            )
-        payload = bytes(self._buf[_HEADER.size : _HEADER.size + length])
-        del self._buf[: _HEADER.size + length]
-        return payload
-
-    async def _fill(self, size: int) -> bool:
-        """Buffer at least ``size`` bytes; False if the stream ends first."""
-        while len(self._buf) < size:
-            chunk = await self.stream.receive_some(max(_READ_CHUNK, size - len(self._buf)))
-            if not chunk:
-                return False
-            self._buf += chunk
-        return True
-
-    async def _skip(self, size: int) -> None:
-        """Read past ``size`` payload bytes without keeping them."""
-        remaining = size
-        while remaining:
-            if self._buf:
-                n = min(remaining, len(self._buf))
-                del self._buf[:n]
-                remaining -= n
-                continue
-            chunk = await self.stream.receive_some(_READ_CHUNK)
-            if not chunk:
-                raise self._truncated(
-                    f"stream ended while skipping an oversized frame: "
-                    f"{size - remaining} of {size} bytes",
-                    size,
-                )
-            self._buf += chunk
-
-    def _truncated(self, detail: str, frame_len: int | None = None) -> BadMessage:
-        self._buf.clear()
-        return BadMessage(
-            detail,
-            kind="truncated",
-            conversation=self.name,
-            frame_len=frame_len,
-            recoverable=False,
-        )
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-# --------------------------------------------------------------------------- messages over frames
-
-
-@dataclass(frozen=True)
-class StreamStatistics:
-    """Counters of one `MessageStream` (a snapshot)."""
-
-    frames_sent: int
-    frames_received: int
-    bytes_sent: int
-    bytes_received: int
-    rejected: Mapping[str, int] = field(default_factory=dict)
-    """Frames rejected, by `BadMessageKind`."""
-
-    @property
-    def rejected_total(self) -> int:
-        return sum(self.rejected.values())
-
-
-class MessageStream(trio.abc.AsyncResource):
-    """Typed messages over a byte stream: a `FramedStream` plus a `Codec`.
-
-    ``send`` encodes and frames a message (safe from several tasks); ``receive``
-    returns the next valid message, raising `BadMessage` for a frame it rejects
-    (which it counts in `statistics`, and in ``rejected``, a Prometheus counter
-    labelled by conversation and kind such as `rejected_counter` makes) and
-    `trio.EndOfChannel` at a clean end. ``peer`` names the other end in logs.
-    """
-
-    def __init__(
-        self,
-        stream: trio.abc.Stream,
-        codec: Codec,
-        *,
-        max_frame: int = DEFAULT_MAX_FRAME,
-        max_skip: int | None = None,
-        peer: str = "",
-        rejected: PromCounter | None = None,
-    ) -> None:
-        self.codec = codec
-        self.peer = peer
-        self._rejected_metric = rejected
-        self.frames = FramedStream(stream, max_frame=max_frame, max_skip=max_skip, name=codec.name)
-        self._sent = self._received = self._bytes_sent = self._bytes_received = 0
-        self._rejected: Counter[str] = Counter()
-
-    async def send(self, msg: Message) -> None:
-        payload = self.codec.encode(msg)
-        await self.frames.send_frame(payload)
-        self._sent += 1
-        self._bytes_sent += len(payload)
-
-    async def receive(self) -> Message:
-        try:
-            payload = await self.frames.receive_frame()
-            self._bytes_received += len(payload)
-            msg = self.codec.decode(payload)
-        except BadMessage as exc:
-            self._rejected[exc.kind] += 1
-            if self._rejected_metric is not None:
-                self._rejected_metric.labels(self.codec.name, exc.kind).inc()
-            raise
-        self._received += 1
-        return msg
-
-    async def send_eof(self) -> None:
-        """Tell the peer we will send no more (the stream must support half-close)."""
-        stream = self.frames.stream
-        if not isinstance(stream, trio.abc.HalfCloseableStream):
-            raise TypeError(f"{type(stream).__name__} cannot half-close; use aclose()")
-        async with self.frames._send_lock:
-            await stream.send_eof()
-
-    def statistics(self) -> StreamStatistics:
-        return StreamStatistics(
-            frames_sent=self._sent,
-            frames_received=self._received,
-            bytes_sent=self._bytes_sent,
-            bytes_received=self._bytes_received,
-            rejected=dict(self._rejected),
-        )
-
-    async def aclose(self) -> None:
-        await self.frames.aclose()
-
-
-Handler = Callable[[Message], Awaitable[Message | None]]
-
-
-async def serve_messages(stream: MessageStream, handler: Handler) -> None:
-    """Feed each valid message of ``stream`` to ``handler`` until the peer is done.
-
-    ``handler(msg)`` may return a reply, which is sent back on the same stream. A frame
-    that is not an acceptable message is logged (``message rejected``, with its kind
-    and detail), counted (see `MessageStream`), answered with `Rejected` when the
-    conversation has error replies, and then the next frame is served. Returns when
-    the peer closes the stream, when a frame is cut off by the end of the stream, when
-    framing is lost, or when the peer is gone while we reply. Exceptions from
-    ``handler`` propagate: a bug in the handler is not the peer's fault.
-    """
-    log = _log.bind(conversation=stream.codec.name, peer=stream.peer)
-    while True:
-        try:
-            msg = await stream.receive()
-        except trio.EndOfChannel:
-            return
-        except BadMessage as exc:
-            log.warning(
-                "message rejected",
-                kind=exc.kind,
-                detail=exc.detail,
-                path=exc.path,
-                frame_len=exc.frame_len,
-                recoverable=exc.recoverable,
-            )
-            if exc.kind == "truncated":
-                return  # the peer stopped sending mid-frame: nobody to answer
-            if stream.codec.error_reply:
-                reply = _rejection(exc, stream)
-                if reply is not None and not await _reply(stream, reply, log):
-                    return
-            if not exc.recoverable:
-                return
-            continue
-        reply = await handler(msg)
-        if reply is not None and not await _reply(stream, reply, log):
-            return
-
-
-_MAX_REJECTION_DETAIL = 1024  # bytes of UTF-8
-
-
-def _rejection(exc: BadMessage, stream: MessageStream) -> Rejected | None:
-    """The `Rejected` reply to ``exc``, its detail cut to fit a frame (None: cannot fit)."""
-    overhead = len(stream.codec.encode(Rejected(kind=exc.kind, detail=""))) + 5  # str header
-    budget = min(_MAX_REJECTION_DETAIL, stream.frames.max_frame - overhead)
-    if budget < 0:
-        return None
-    raw = exc.detail.encode()
-    detail = exc.detail if len(raw) <= budget else raw[:budget].decode(errors="ignore")
-    return Rejected(kind=exc.kind, detail=detail)
-
-
-async def _reply(stream: MessageStream, msg: Message, log: Any) -> bool:
-    """Send ``msg``; False (logged) if the peer has gone away."""
-    try:
-        await stream.send(msg)
-    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-        log.info("peer gone before reply", reply=type(msg).__name__, error=str(exc))
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------- evolution checks

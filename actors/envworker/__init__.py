@@ -23,7 +23,7 @@ from .group import AttemptTicket, GroupResult, GroupStateError, GroupTracker
 from .actor import Inbox, run
 from .attempt import Failed, sandbox_limits
 from .harnesses import load_harness
-from .model import LocalModelClient, PoolModelClient, open_model, to_wire_generation
+from .model import LocalModelClient, PoolModelClient, open_model
 from .policy import DEFAULT_MAX_TRIES, FAILURE_KINDS, RetryPolicy
 from .worker import EnvWorkerStatistics, group_id_of
 
@@ -31,4 +31,4 @@ __all__ = ["DEFAULT_MAX_TRIES", "FAILURE_KINDS", "AttemptTicket", "CursorState",
            "EnvWorkerStatistics", "Failed", "Inbox", "open_model",
            "GroupResult", "GroupStateError", "GroupTracker", "HumanEvalTasks", "JsonlTasks", "LocalModel",
            "LocalModelClient", "PoolModel", "PoolModelClient", "RetryPolicy", "SandboxSettings",
-           "SyntheticTasks", "TaskCursor", "group_id_of", "load_harness", "run", "sandbox_limits", "to_wire_generation"]
+           "SyntheticTasks", "TaskCursor", "group_id_of", "load_harness", "run", "sandbox_limits"]

@@ -10,8 +10,10 @@
   trainer's weights. A `GenerateFailed` answer raises `ModelUnavailable` (the harness
   ends its episode in ``error`` and the worker reports a ``sampler_error``).
 
-Both return the wire `Generation` of ``fleetrl.daemon.messages``. `for_attempt` gives a
-view that tags requests with the attempt id (the pool logs and paces by it).
+Both return the wire `Generation` of ``fleetrl.daemon.messages`` (the local one: the
+backend's own, stamped with the request id and this client's sampler identity).
+`for_attempt` gives a view that tags requests with the attempt id (the pool logs and
+paces by it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from fleetrl.actors.samplers import base
+from fleetrl.actors.samplers.base import served_identity, stamp
+from fleetrl.actors.samplers.errors import BadGenerateRequest, NumericalFailure
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.actor import ActorContext
 from fleetrl.daemon.protocol import Tensor
@@ -32,26 +35,7 @@ from fleetrl.harness.model import HFChatTokenizer, ModelUnavailable
 
 from .config import LocalModel, ModelConfig
 
-__all__ = ["LocalModelClient", "PoolModelClient", "open_model", "to_wire_generation"]
-
-_WIRE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
-
-
-def to_wire_generation(request_id: str, gen: base.Generation, sampler: m.SamplerIdentity) -> m.Generation:
-    """The wire `Generation` of a backend's `Generation` (same tokens, arrays as Tensors)."""
-    return m.Generation(
-        request_id=request_id,
-        token_ids=Tensor.from_numpy(np.asarray(gen.token_ids, dtype=np.int64)),
-        logprobs=Tensor.from_numpy(np.asarray(gen.logprobs, dtype=np.float32)),
-        support=m.SupportCSR(
-            ids=Tensor.from_numpy(np.asarray(gen.support_ids, dtype=np.int64)),
-            logprobs=Tensor.from_numpy(np.asarray(gen.support_logprobs, dtype=np.float32)),
-            offsets=Tensor.from_numpy(np.asarray(gen.support_offsets, dtype=np.int64)),
-        ),
-        versions=Tensor.from_numpy(np.asarray(gen.versions, dtype=np.int64)),
-        sampler=sampler,
-        finish_reason=gen.finish_reason,
-    )
+__all__ = ["LocalModelClient", "PoolModelClient", "open_model"]
 
 
 class LocalModelClient:
@@ -61,9 +45,7 @@ class LocalModelClient:
                  concurrency: int = 1) -> None:
         self.backend = backend
         self._tok = tokenizer
-        ident = backend.identity
-        self.identity = m.SamplerIdentity(sampler_id=sampler_id, backend=ident.backend, device_kind=ident.device,
-                                          dtype=_WIRE_DTYPE.get(ident.dtype, ident.dtype))
+        self.identity = served_identity(backend, sampler_id)
         self._limit = trio.CapacityLimiter(concurrency)
         self._ids = itertools.count(1)
         self.calls = 0
@@ -76,22 +58,16 @@ class LocalModelClient:
         return self
 
     async def generate(self, prompt_ids: Sequence[int], params: m.SamplingParams) -> m.Generation:
-        try:
-            bp = base.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
-                                     top_p=params.top_p, top_k=params.top_k, stop_ids=tuple(params.stop_ids),
-                                     seed=params.seed)
-        except ValueError as exc:
-            raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=False) from exc
         request_id = f"{self.identity.sampler_id}-{next(self._ids)}"
         try:
-            (gen,) = await trio.to_thread.run_sync(self.backend.generate, [list(prompt_ids)], bp,
+            (gen,) = await trio.to_thread.run_sync(self.backend.generate, [list(prompt_ids)], params,
                                                    limiter=self._limit, abandon_on_cancel=True)
-        except base.BadGenerateRequest as exc:
+        except BadGenerateRequest as exc:
             raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=False) from exc
-        except base.NumericalFailure as exc:
+        except NumericalFailure as exc:
             raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=True) from exc
         self.calls += 1
-        return to_wire_generation(request_id, gen, self.identity)
+        return stamp(gen, request_id, self.identity)
 
 
 class PoolModelClient:

@@ -5,7 +5,7 @@ conversation), sends `Join`, and on `Welcome` catches up with the trainer's weig
 (when a delta store URL is given: actors/weights' `HttpBlobSource` + `Follower`), reports
 `SamplerStatus`, then serves `GenerateRequest`s with its backend (at most ``capacity``
 at once; concurrent ones decoded as batches of at most ``max_batch`` through the same
-`local.Batcher` as local samplers) and follows every `WeightVersionAvailable`.
+`batcher.Batcher` as local samplers) and follows every `WeightVersionAvailable`.
 Heartbeats go out every ``heartbeat_s``; a daemon silent for ``5 x heartbeat_s`` counts
 as lost.
 
@@ -27,11 +27,13 @@ import msgspec
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, wrap_client_stream
 
+from fleetrl.actors.samplers.base import served_identity
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.errors import BadMessage
-from fleetrl.daemon.protocol import Rejected
+from fleetrl.daemon.protocol import DTypeName, Rejected
 
-from .local import Batcher, SamplerLost, WeightSync, identity_of
+from .batcher import Batcher, SamplerLost
+from .local import WeightSync
 
 __all__ = ["JoinRefused", "RemoteClientConfig", "build_backend", "connect", "run_remote", "serve_once"]
 
@@ -83,7 +85,7 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """``ws://host:port/fleet/join`` (``wss://`` behind a TLS proxy)."""
     token: str
     backend: Literal["torch", "vllm"] = "torch"
-    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "bf16"
+    dtype: DTypeName = "bf16"
     model_dir: str = ""
     device: str = "cpu"
     price_per_hour: float = 0.0
@@ -179,7 +181,7 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
     codec = m.FLEET
     async with connect(cfg.join_url) as ws:
         name = cfg.name or socket.gethostname()
-        me = identity_of(name, backend)
+        me = served_identity(backend, name)
         await ws.send_message(codec.encode(m.Join(token=cfg.token, identity=me, capacity=cfg.capacity,
                                                   price_per_hour=float(cfg.price_per_hour))))
         with trio.fail_after(60):
@@ -189,7 +191,7 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
         if not isinstance(reply, m.Welcome):
             raise JoinRefused(f"expected Welcome or Refused, got {type(reply).__name__}")
         sid = reply.sampler_id
-        identity = identity_of(sid, backend)
+        identity = served_identity(backend, sid)
         lock = trio.Lock()
         batcher = Batcher(backend, identity, capacity=cfg.capacity, max_batch=cfg.max_batch)
 

@@ -38,7 +38,8 @@ import msgspec
 from transformers import PreTrainedTokenizerFast
 
 from fleetrl.actors.model.byte_tokenizer import EOS_ID, build_byte_tokenizer
-from fleetrl.actors.samplers import SamplingParams, TorchBackend, TorchBackendConfig
+from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
+from fleetrl.daemon.messages import SamplingParams
 from fleetrl.harness.synthetic import (
     CHECK_FILE,
     SOLUTION_FILE,
@@ -160,7 +161,7 @@ def sample_completions(
             seed=sampling.seed + chunk,
         )
         for gen in backend.generate(prompts, params):
-            ids = list(gen.token_ids)
+            ids = gen.token_ids.to_numpy().tolist()
             stopped = EOS_ID in ids
             if stopped:
                 ids = ids[: ids.index(EOS_ID)]

@@ -315,7 +315,8 @@ def _sampling_speed(model_dir: Path, batch: int, rounds: int, sample_seed: int) 
     """Tokens per second of the torch sampler backend (fp32) on batches of `batch` fresh
     prompts with the RL phase's sampling settings: wall-clock and per CPU-second."""
     from fleetrl.actors.model import EOS_ID, build_byte_tokenizer
-    from fleetrl.actors.samplers import SamplingParams, TorchBackend, TorchBackendConfig
+    from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
+    from fleetrl.daemon.messages import SamplingParams
 
     tok = build_byte_tokenizer()
     backend = TorchBackend(TorchBackendConfig(model_dir=str(model_dir)))
@@ -325,7 +326,7 @@ def _sampling_speed(model_dir: Path, batch: int, rounds: int, sample_seed: int) 
     wall0, cpu0 = time.perf_counter(), time.process_time()
     for r in range(rounds):
         params = SamplingParams(max_tokens=48, temperature=1.0, top_p=0.95, stop_ids=(EOS_ID,), seed=sample_seed + r)
-        tokens += sum(len(g.token_ids) for g in backend.generate(prompts[r * batch:(r + 1) * batch], params))
+        tokens += sum(g.num_tokens for g in backend.generate(prompts[r * batch:(r + 1) * batch], params))
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     out = {"batch": batch, "tokens": tokens, "wall_s": wall, "cpu_s": cpu,
            "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu}

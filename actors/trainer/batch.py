@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from fleetrl.daemon.messages import RolloutGroup
+from fleetrl.daemon.tokens import check_sampled_tokens
 from fleetrl.grpo import group_advantages
 
 from .config import AdvantageConfig
@@ -107,30 +108,10 @@ def check_group(group: RolloutGroup, vocab_size: int, *, tol: float = 5e-3) -> N
                 if bad.any():
                     i = int(np.argmax(bad))
                     raise BadBatch(f"{where}: {name}[{i}] = {int(ids[i])} is not a token id in [0, {vocab_size})")
-            off = seg.support.offsets.to_numpy()
-            sids = seg.support.ids.to_numpy().astype(np.int64)
-            slps = seg.support.logprobs.to_numpy().astype(np.float64)
-            lps = seg.logprobs.to_numpy().astype(np.float64)
-            sizes = np.diff(off)
-            if not np.isfinite(slps).all() or (slps > tol).any():
-                k = int(np.argmax(~np.isfinite(slps) | (slps > tol)))
-                raise BadBatch(f"{where}: support.logprobs[{k}] = {slps[k]} is not a log-probability")
-            hit = sids == np.repeat(tokens, sizes)
-            count = np.add.reduceat(hit.astype(np.int64), off[:-1])
-            if (count != 1).any():
-                t = int(np.argmax(count != 1))
-                raise BadBatch(f"{where}: generated token {t} (id {int(tokens[t])}) is "
-                               f"{'not in' if count[t] == 0 else 'repeated in'} its reported support")
-            mass = np.add.reduceat(np.exp(slps), off[:-1])
-            if (np.abs(np.log(mass)) > tol).any():
-                t = int(np.argmax(np.abs(np.log(mass)) > tol))
-                raise BadBatch(f"{where}: the support of token {t} has probability {mass[t]:.6f}, not 1 "
-                               "(log q^S must be renormalised over the support)")
-            off_lp = np.abs(slps[hit] - lps) > tol
-            if off_lp.any():
-                t = int(np.argmax(off_lp))
-                raise BadBatch(f"{where}: logprobs[{t}] = {lps[t]} disagrees with its support's "
-                               f"log-prob {slps[hit][t]}")
+            try:
+                check_sampled_tokens(tokens, seg.logprobs, seg.support, tol=tol, normalised=True)
+            except ValueError as exc:
+                raise BadBatch(f"{where}: {exc}") from exc
 
 
 def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = AdvantageConfig()) -> Batch:

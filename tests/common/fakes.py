@@ -222,24 +222,8 @@ class TorchClient:
         return self._tok
 
     async def generate(self, prompt_ids, params: SamplingParams) -> Generation:
-        from fleetrl.actors.samplers.base import SamplingParams as BackendParams
+        self.requests.append((list(prompt_ids), params))
+        (g,) = await trio.to_thread.run_sync(self.backend.generate, [list(prompt_ids)], params)
+        from fleetrl.actors.samplers.base import served_identity, stamp
 
-        bp = BackendParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                           top_k=params.top_k, stop_ids=tuple(params.stop_ids), seed=params.seed)
-        self.requests.append((list(prompt_ids), bp))
-        (g,) = await trio.to_thread.run_sync(self.backend.generate, [list(prompt_ids)], bp)
-        ident = self.backend.identity
-
-        def t(values, dtype):
-            return Tensor.from_numpy(np.asarray(values, dtype=dtype))
-
-        return Generation(
-            request_id=f"torch-{len(self.requests)}",
-            token_ids=t(g.token_ids, np.int64), logprobs=t(g.logprobs, np.float32),
-            support=SupportCSR(ids=t(g.support_ids, np.int64), logprobs=t(g.support_logprobs, np.float32),
-                               offsets=t(g.support_offsets, np.int64)),
-            versions=t(g.versions, np.int64),
-            sampler=SamplerIdentity(sampler_id="torch-test", backend=ident.backend, device_kind=ident.device,
-                                    dtype=ident.dtype),
-            finish_reason=g.finish_reason,
-        )
+        return stamp(g, f"torch-{len(self.requests)}", served_identity(self.backend, "torch-test"))

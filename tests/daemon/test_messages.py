@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import msgspec
 import numpy as np
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetrl.daemon import messages as m
+from fleetrl.daemon.examples import example_trajectory
 from fleetrl.daemon.errors import BadMessage
 from fleetrl.daemon.protocol import (
     PROTOCOL_VERSION,
@@ -31,7 +33,7 @@ text = st.text(max_size=12)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 non_neg = st.floats(min_value=0.0, max_value=1e6, allow_nan=False)
 uint = st.integers(0, 2**40)
-int64 = st.integers(-(2**63), 2**63 - 1)
+seeds = st.none() | st.integers(0, 2**63 - 1)
 
 
 @st.composite
@@ -82,7 +84,8 @@ def segments(draw) -> m.TokenSegment:
 
 @st.composite
 def generations(draw) -> m.Generation:
-    return m.Generation(request_id=draw(text), **draw(token_fields()))
+    return m.Generation(request_id=draw(text), **draw(token_fields()),
+                        seed=draw(seeds))
 
 
 @st.composite
@@ -114,7 +117,7 @@ sampling_params = st.builds(
     top_p=st.floats(min_value=0.0, max_value=1.0, exclude_min=True),
     top_k=st.none() | st.integers(1, 1000),
     stop_ids=st.lists(uint, max_size=4).map(tuple),
-    seed=st.none() | int64,
+    seed=seeds,
 )
 blobs = st.builds(m.BlobRef, hash=text, size=uint, url=text)
 
@@ -337,6 +340,41 @@ def test_sampling_params_ranges_are_checked_at_the_boundary():
         assert message in info.value.detail, info.value.detail
 
 
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"stop_ids": (3, -1)}, r"stop_ids\[1\]"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+    ],
+)
+def test_bad_sampling_params_name_the_field_when_built_and_when_decoded(changes, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        m.SamplingParams(**({"max_tokens": 4} | changes))
+    with pytest.raises(msgspec.ValidationError, match=field):
+        msgspec.convert({"max_tokens": 4} | changes, m.SamplingParams)
+
+
+def test_sampling_params_ignore_unknown_fields_as_the_evolution_rule_asks():
+    """A field appended by a later release is ignored, not refused (``protocol``)."""
+    assert msgspec.convert({"max_tokens": 4, "topp": 0.5}, m.SamplingParams) == m.SamplingParams(max_tokens=4)
+
+
+def test_generation_counts_its_tokens_and_carries_its_seed():
+    g = generation(4, seed=12)
+    assert g.num_tokens == 4 and m.SAMPLER.decode(m.SAMPLER.encode(g)).seed == 12
+    old_frame = msgspec.to_builtins(g, builtin_types=(bytes,))
+    del old_frame["seed"]  # a sampler of an earlier release
+    assert m.SAMPLER.decode(ENC.encode(old_frame)).seed is None
+
+
 def test_generate_request_needs_a_prompt():
     with pytest.raises(ValueError, match="prompt_ids must not be empty"):
         m.GenerateRequest(
@@ -384,7 +422,7 @@ def test_join_never_shows_its_token():
 
 
 def test_example_trajectory_is_typical_and_round_trips():
-    t = m.example_trajectory(n_tokens=2000, k=20)
+    t = example_trajectory(n_tokens=2000, k=20)
     assert t.n_generated == 2000 and len(t.segments) == 4
     for s in t.segments:
         offsets = s.support.offsets.to_numpy()
@@ -402,11 +440,11 @@ def test_example_trajectory_is_typical_and_round_trips():
 
 
 def test_example_trajectory_sizes():
-    t = m.example_trajectory(n_tokens=10, k=3, n_segments=3, prompt_tokens=4, seed=2)
+    t = example_trajectory(n_tokens=10, k=3, n_segments=3, prompt_tokens=4, seed=2)
     assert [s.token_ids.shape[0] for s in t.segments] == [4, 3, 3]
     assert t.segments[0].support.ids.shape == (12,)  # 4 positions x k=3
     with pytest.raises(ValueError, match="n_segments"):
-        m.example_trajectory(n_tokens=2, n_segments=3)
+        example_trajectory(n_tokens=2, n_segments=3)
 
 
 # --------------------------------------------------------------------------- the released schema

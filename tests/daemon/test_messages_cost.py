@@ -10,13 +10,14 @@ import pytest
 
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.errors import BadMessage
+from fleetrl.daemon.examples import example_generation
 from fleetrl.daemon.protocol import Tensor
 
 IDENTITY = m.SamplerIdentity(sampler_id="s0", backend="torch", device_kind="cpu", dtype="bfloat16")
 
 
 def _generation(**changes) -> m.Generation:
-    g = m.example_generation(4, 3)
+    g = example_generation(4, 3)
     return msgspec.structs.replace(g, **changes) if changes else g
 
 

@@ -1,36 +1,29 @@
-"""The protocol machinery: Tensor, Codec errors, schema evolution, framing, receiver."""
+"""The protocol machinery: Tensor, dtype names, Codec errors, schema evolution."""
 
 from __future__ import annotations
 
 import pickle
-import struct
-from functools import partial
 
 import msgspec
 import numpy as np
 import pytest
 import torch
-import trio
-import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry
-from structlog.testing import capture_logs
 
 from fleetrl.daemon.errors import BadMessage, FleetrlError
 from fleetrl.daemon.protocol import (
+    DTYPE_NAMES,
     DTYPES,
     Codec,
-    FramedStream,
     Message,
-    MessageStream,
     Record,
     Rejected,
     Tensor,
+    config_dtype,
     evolution_problems,
-    rejected_counter,
     schema_snapshot,
-    serve_messages,
+    wire_dtype,
 )
 
 # --------------------------------------------------------------------------- a tiny conversation
@@ -59,10 +52,6 @@ class Blob(Message):
 TEST = Codec("test", [Ping, Shape, Blob], error_reply=True)
 NO_REPLY = Codec("quiet", [Ping])
 ENC = msgspec.msgpack.Encoder()
-
-
-def frame(payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + payload
 
 
 def bad(data: bytes, codec: Codec = TEST) -> BadMessage:
@@ -343,272 +332,17 @@ def test_evolution_check_reports_each_breaking_change():
     assert evolution_problems(old, {}) == ["ThingV1: struct removed or renamed"]
 
 
-# --------------------------------------------------------------------------- framing
+# --------------------------------------------------------------------------- dtype names
 
 
-async def test_frames_round_trip_and_clean_eof_ends_the_channel():
-    with trio.fail_after(5):
-        left, right = trio.testing.memory_stream_pair()
-        a, b = FramedStream(left), FramedStream(right)
-        for payload in (b"", b"x", b"y" * 200_000):
-            await a.send_frame(payload)
-        await left.send_eof()
-        assert [await b.receive_frame() for _ in range(3)] == [b"", b"x", b"y" * 200_000]
-        with pytest.raises(trio.EndOfChannel):
-            await b.receive_frame()
-
-
-async def test_sender_refuses_oversized_frame_and_writes_nothing():
-    with trio.fail_after(5):
-        left, right = trio.testing.memory_stream_pair()
-        a = FramedStream(left, max_frame=10, name="small")
-        with pytest.raises(BadMessage, match="refusing to send a frame of 11 bytes; the limit is 10") as info:
-            await a.send_frame(b"x" * 11)
-        assert info.value.kind == "oversized"
-        await a.send_frame(b"ok")
-        await left.send_eof()
-        assert await FramedStream(right).receive_frame() == b"ok"
-
-
-async def test_receiver_skips_an_oversized_frame_and_reads_the_next():
-    with trio.fail_after(5):
-        left, right = trio.testing.memory_stream_pair()
-        b = FramedStream(right, max_frame=100)
-        await left.send_all(frame(b"z" * 250) + frame(b"next"))
-        with pytest.raises(BadMessage, match="frame of 250 bytes exceeds the 100-byte limit") as info:
-            await b.receive_frame()
-        assert info.value.recoverable and info.value.frame_len == 250
-        assert await b.receive_frame() == b"next"
-
-
-async def test_absurd_length_means_lost_framing():
-    with trio.fail_after(5):
-        left, right = trio.testing.memory_stream_pair()
-        b = FramedStream(right, max_frame=100)  # max_skip 400
-        await left.send_all(b"GET / HTTP/1.1\r\n\r\n")
-        with pytest.raises(BadMessage, match="framing lost") as info:
-            await b.receive_frame()
-        assert info.value.kind == "oversized" and not info.value.recoverable
-        with pytest.raises(trio.BrokenResourceError):
-            await b.receive_frame()
-
-
-@pytest.mark.parametrize(
-    ("sent", "message"),
-    [
-        (b"\x00\x00", "inside a frame header (2 of 4 bytes)"),
-        (frame(b"abcdef")[:-2], "got 4 of 6 bytes"),
-        (frame(b"a" * 500)[:-2], "while skipping an oversized frame: 498 of 500 bytes"),
-    ],
-)
-async def test_stream_ending_mid_frame_is_truncated(sent, message):
-    with trio.fail_after(5):
-        left, right = trio.testing.memory_stream_pair()
-        b = FramedStream(right, max_frame=100, max_skip=1000)
-        await left.send_all(sent)
-        await left.send_eof()
-        with pytest.raises(BadMessage) as info:
-            await b.receive_frame()
-        assert message in str(info.value)
-        assert info.value.kind == "truncated" and not info.value.recoverable
-
-
-async def test_concurrent_senders_keep_frames_whole_over_tcp():
-    """Many tasks send big frames on one real socket; every frame arrives intact."""
-    n_tasks, per_task, size = 8, 10, 150_000
-    received: list[Ping] = []
-
-    async def server(stream: trio.SocketStream) -> None:
-        ms = MessageStream(stream, TEST)
-        while True:
-            try:
-                received.append(await ms.receive())
-            except trio.EndOfChannel:
-                return
-
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(partial(trio.serve_tcp, server, 0, host="127.0.0.1"))
-            port = listeners[0].socket.getsockname()[1]
-            client = MessageStream(await trio.open_tcp_stream("127.0.0.1", port), TEST)
-
-            async def sender(i: int) -> None:
-                for j in range(per_task):
-                    await client.send(Ping(seq=i * 1000 + j, tokens=[i] * (size // 8)))
-
-            async with trio.open_nursery() as senders:
-                for i in range(n_tasks):
-                    senders.start_soon(sender, i)
-            await client.send_eof()
-            while len(received) < n_tasks * per_task:
-                await trio.sleep(0.01)
-            await client.aclose()
-            nursery.cancel_scope.cancel()
-    assert sorted(m.seq for m in received) == sorted(i * 1000 + j for i in range(n_tasks) for j in range(per_task))
-    assert all(m.tokens == [m.seq // 1000] * (size // 8) for m in received)
-    assert client.statistics().frames_sent == n_tasks * per_task
-
-
-async def test_only_one_task_may_receive():
-    with trio.fail_after(5):
-        _, right = trio.testing.memory_stream_pair()
-        b = FramedStream(right)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(b.receive_frame)
-            await trio.testing.wait_all_tasks_blocked()
-            with pytest.raises(trio.BusyResourceError):
-                await b.receive_frame()
-            nursery.cancel_scope.cancel()
-
-
-# --------------------------------------------------------------------------- the receiver loop
-
-
-def rejected_count(registry: CollectorRegistry, conversation: str, kind: str) -> float:
-    value = registry.get_sample_value(
-        "fleetrl_messages_rejected_total", {"conversation": conversation, "kind": kind}
-    )
-    return value or 0.0
-
-
-async def test_receiver_survives_bad_frames_and_serves_the_next_ones():
-    """Garbage, wrong-type, unknown-tag, malformed and oversized frames are each
-    rejected (logged, counted, answered with Rejected); the valid frames around them
-    are all handled; a frame cut off at EOF ends the connection cleanly."""
-    handled: list[Message] = []
-
-    async def handler(msg: Message) -> Message | None:
-        handled.append(msg)
-        return Ping(seq=msg.seq + 100) if isinstance(msg, Ping) else None
-
-    good1, good2 = TEST.encode(Ping(seq=1)), TEST.encode(Shape(name="s", at=Point(x=1, y=2)))
-    frames = [
-        frame(b"\xc1 garbage \xc1"),
-        frame(good1),
-        frame(ENC.encode({"type": "Ping", "seq": "not an int"})),
-        frame(ENC.encode({"type": "Nope"})),
-        frame(good1[:-1]),
-        frame(b"\x00" * 5000),  # over max_frame=4096, skipped
-        frame(good2),
-        frame(TEST.encode(Ping(seq=2)))[:-3],  # cut off by EOF
-    ]
-    registry = CollectorRegistry()
-    with trio.fail_after(5), capture_logs() as logs:
-        client_raw, server_raw = trio.testing.memory_stream_pair()
-        server = MessageStream(
-            server_raw, TEST, max_frame=4096, peer="memory", rejected=rejected_counter(registry)
-        )
-        await client_raw.send_all(b"".join(frames))
-        await client_raw.send_eof()
-        await serve_messages(server, handler)  # returns by itself: truncated frame at EOF
-        client = MessageStream(client_raw, TEST)
-        await server_raw.send_eof()
-        replies = []
-        while True:
-            try:
-                replies.append(await client.receive())
-            except trio.EndOfChannel:
-                break
-
-    assert handled == [Ping(seq=1), Shape(name="s", at=Point(x=1, y=2))]
-    kinds = [r.kind if isinstance(r, Rejected) else r for r in replies]
-    assert kinds == ["malformed", Ping(seq=101), "invalid", "unknown_type", "malformed", "oversized"]
-    assert "Expected `int`, got `str` at `$.seq`" in replies[2].detail
-    assert "unknown message type 'Nope'" in replies[3].detail
-
-    stats = server.statistics()
-    assert stats.frames_received == 2 and stats.frames_sent == 6
-    assert stats.rejected == {"malformed": 2, "invalid": 1, "unknown_type": 1, "oversized": 1, "truncated": 1}
-    for kind, n in stats.rejected.items():
-        assert rejected_count(registry, "test", kind) == n
-
-    rejections = [e for e in logs if e["event"] == "message rejected"]
-    assert [e["kind"] for e in rejections] == ["malformed", "invalid", "unknown_type", "malformed", "oversized", "truncated"]
-    assert all(e["conversation"] == "test" and e["peer"] == "memory" for e in rejections)
-    assert rejections[1]["path"] == "$.seq"
-    assert rejections[-1]["recoverable"] is False
-
-
-async def test_receiver_without_error_replies_still_serves_over_tcp():
-    """Over a real socket: garbage then a valid frame; the valid one is handled and
-    nothing is sent back on a conversation that has no error reply."""
-    handled: list[Message] = []
-    done = trio.Event()
-
-    async def handler(msg: Message) -> None:
-        handled.append(msg)
-
-    async def server(stream: trio.SocketStream) -> None:
-        await serve_messages(MessageStream(stream, NO_REPLY), handler)
-        await stream.send_eof()
-        done.set()
-
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(partial(trio.serve_tcp, server, 0, host="127.0.0.1"))
-            port = listeners[0].socket.getsockname()[1]
-            sock = await trio.open_tcp_stream("127.0.0.1", port)
-            await sock.send_all(frame(b"\xff\x00\x13 nonsense") + frame(NO_REPLY.encode(Ping(seq=7))))
-            await sock.send_eof()
-            await done.wait()
-            assert await sock.receive_some(100) == b""  # no Rejected: closed without a reply
-            await sock.aclose()
-            nursery.cancel_scope.cancel()
-    assert handled == [Ping(seq=7)]
-
-
-async def test_receiver_stops_on_lost_framing_after_replying():
-    with trio.fail_after(5):
-        client_raw, server_raw = trio.testing.memory_stream_pair()
-        server = MessageStream(server_raw, TEST, max_frame=256)
-
-        async def handler(msg: Message) -> None:
-            raise AssertionError("nothing valid was sent")
-
-        await client_raw.send_all(b"\xff\xff\xff\xff" + TEST.encode(Ping(seq=1)))
-        await serve_messages(server, handler)  # returns without waiting for EOF
-        reply = await MessageStream(client_raw, TEST).receive()
-        assert isinstance(reply, Rejected) and reply.kind == "oversized" and "framing lost" in reply.detail
-
-
-async def test_rejection_detail_is_cut_to_fit_the_frame():
-    with trio.fail_after(5):
-        client_raw, server_raw = trio.testing.memory_stream_pair()
-        server = MessageStream(server_raw, TEST, max_frame=60)
-        await client_raw.send_all(frame(ENC.encode({"type": "x" * 50})))
-        await client_raw.send_eof()
-
-        async def handler(msg: Message) -> None:
-            raise AssertionError("nothing valid was sent")
-
-        await serve_messages(server, handler)
-        reply = await MessageStream(client_raw, TEST).receive()
-        assert isinstance(reply, Rejected) and reply.kind == "unknown_type"
-        assert len(TEST.encode(reply)) <= 60 and len(reply.detail) >= 10
-        assert "unknown message type 'xxx".startswith(reply.detail)
-
-
-async def test_handler_errors_propagate():
-    with trio.fail_after(5):
-        client_raw, server_raw = trio.testing.memory_stream_pair()
-
-        async def handler(msg: Message) -> None:
-            raise KeyError("bug in handler")
-
-        await client_raw.send_all(frame(TEST.encode(Ping(seq=1))))
-        with pytest.raises(KeyError, match="bug in handler"):
-            await serve_messages(MessageStream(server_raw, TEST), handler)
-
-
-async def test_receiver_ends_quietly_when_the_peer_is_gone_before_a_reply():
-    with trio.fail_after(5):
-        client_raw, server_raw = trio.testing.memory_stream_pair()
-        await client_raw.send_all(frame(TEST.encode(Ping(seq=1))))
-        await client_raw.aclose()  # peer gone: the reply cannot be delivered
-
-        async def handler(msg: Message) -> Message:
-            return Ping(seq=2)
-
-        with capture_logs() as logs:
-            await serve_messages(MessageStream(server_raw, TEST), handler)
-        assert [e["event"] for e in logs] == ["peer gone before reply"]
+def test_dtype_names_map_config_names_to_wire_names_and_back():
+    assert dict(DTYPE_NAMES) == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
+                                 "fp8": "float8_e4m3fn"}
+    for short, wire in DTYPE_NAMES.items():
+        assert wire in DTYPES
+        assert wire_dtype(short) == wire_dtype(wire) == wire
+        assert config_dtype(wire) == config_dtype(short) == short
+    with pytest.raises(ValueError, match="unknown dtype 'fp4'"):
+        wire_dtype("fp4")
+    with pytest.raises(ValueError, match="dtype 'int8' has no config name"):
+        config_dtype("int8")

@@ -17,7 +17,8 @@ from fleetrl.actors.envworker.cursor import TaskCursor
 from fleetrl.actors.envworker.group import AttemptTicket
 from fleetrl.actors.envworker.attempt import Failed
 from fleetrl.actors.envworker.worker import _Worker
-from fleetrl.daemon.messages import Trajectory, example_generation
+from fleetrl.daemon.examples import example_generation
+from fleetrl.daemon.messages import Trajectory
 from fleetrl.daemon.metrics import ActorMetrics, MetricsRegistry
 from fleetrl.harness.builtin import CompletionHarness
 from fleetrl.harness.model import ModelUnavailable

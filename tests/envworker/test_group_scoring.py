@@ -22,7 +22,8 @@ from fleetrl.actors.envworker.config import EnvWorkerConfig
 from fleetrl.actors.envworker.cursor import TaskCursor
 from fleetrl.actors.envworker.sandboxing import GroupScorer, group_scoring_spec, scoring_spec
 from fleetrl.actors.envworker.worker import _Worker
-from fleetrl.daemon.messages import RolloutFailed, RolloutGroup, example_generation
+from fleetrl.daemon.examples import example_generation
+from fleetrl.daemon.messages import RolloutFailed, RolloutGroup
 from fleetrl.daemon.metrics import ActorMetrics, MetricsRegistry
 from fleetrl.harness.builtin import CompletionHarness
 from fleetrl.harness.protocol import sandbox_use_of

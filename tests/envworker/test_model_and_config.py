@@ -14,7 +14,6 @@ from fleetrl.actors.envworker.config import JsonlTasks, SyntheticTasks
 from fleetrl.actors.model import BOS_ID, EOS_ID
 from fleetrl.actors.pool import SamplerPool
 from fleetrl.actors.pool.local import LocalSampler
-from fleetrl.actors.samplers.base import SamplingParams as BackendParams
 from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
 from fleetrl.daemon.config import ConfigError, load_config_text
 from fleetrl.daemon.messages import SamplingParams
@@ -38,12 +37,12 @@ async def test_local_client_gives_the_backends_tokens_as_wire_generation(backend
     client = LocalModelClient(backend, tok, sampler_id="s0")
     with trio.fail_after(60):
         gen = await client.generate([BOS_ID, 104, 105], PARAMS)
-    (ref,) = backend.generate([[BOS_ID, 104, 105]], BackendParams(max_tokens=6, temperature=1.0, seed=7))
-    assert gen.token_ids.to_numpy().tolist() == list(ref.token_ids)
-    np.testing.assert_array_equal(gen.logprobs.to_numpy(), np.asarray(ref.logprobs, dtype=np.float32))
-    assert gen.support.ids.to_numpy().tolist() == list(ref.support_ids)
-    assert gen.support.offsets.to_numpy().tolist() == list(ref.support_offsets)
-    assert gen.versions.to_numpy().tolist() == list(ref.versions) and gen.finish_reason == ref.finish_reason
+    (ref,) = backend.generate([[BOS_ID, 104, 105]], SamplingParams(max_tokens=6, temperature=1.0, seed=7))
+    assert gen.token_ids.to_numpy().tolist() == ref.token_ids.to_numpy().tolist()
+    np.testing.assert_array_equal(gen.logprobs.to_numpy(), ref.logprobs.to_numpy())
+    assert gen.support.ids.to_numpy().tolist() == ref.support.ids.to_numpy().tolist()
+    assert gen.support.offsets.to_numpy().tolist() == ref.support.offsets.to_numpy().tolist()
+    assert gen.versions.to_numpy().tolist() == ref.versions.to_numpy().tolist() and gen.finish_reason == ref.finish_reason
     assert gen.sampler.sampler_id == "s0" and gen.sampler.backend == "torch" and gen.sampler.dtype == "float32"
     assert gen.support.positions == gen.token_ids.shape[0] <= 6
 

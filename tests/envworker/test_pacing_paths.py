@@ -21,7 +21,8 @@ from fleetrl.actors.envworker.cursor import TaskCursor
 from fleetrl.actors.envworker.sources import TaskSource
 from fleetrl.actors.envworker.worker import _Worker
 from fleetrl.actors.pool import SamplerPool
-from fleetrl.daemon.messages import RolloutFailed, RolloutGroup, example_generation
+from fleetrl.daemon.examples import example_generation
+from fleetrl.daemon.messages import RolloutFailed, RolloutGroup
 from fleetrl.daemon.metrics import ActorMetrics, MetricsRegistry
 from fleetrl.harness.builtin import CompletionHarness
 from fleetrl.harness.tasks import Evaluator, Task

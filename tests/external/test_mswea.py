@@ -166,8 +166,8 @@ async def test_mini_swe_agent_runs_a_task_in_our_sandbox_against_the_tiny_model(
     for call, (prompt, bp) in zip(record.calls, model.requests):
         assert len(call.token_ids) <= 8 and bp.seed == 7  # mini-swe-agent's model_kwargs reached the sampler
         (again,) = backend.generate([prompt], bp)
-        assert list(again.token_ids) == call.token_ids
-        assert np.allclose(call.segment.logprobs.to_numpy(), again.logprobs, atol=1e-6)
+        assert again.token_ids.to_numpy().tolist() == call.token_ids
+        assert np.allclose(call.segment.logprobs.to_numpy(), again.logprobs.to_numpy(), atol=1e-6)
         assert call.segment.sampler.backend == "torch"
     traj = record.trajectory(group_id="g", reward=result.reward)
     assert len(traj.segments) == 2 and traj.reward == 0.0

@@ -66,8 +66,8 @@ async def test_openai_client_against_the_tiny_model_is_recorded_token_exactly(ti
     for call, (prompt, bp) in zip(record.calls, model.requests):
         assert call.prompt_ids == prompt
         (again,) = backend.generate([prompt], bp)
-        assert list(again.token_ids) == call.token_ids
-        assert np.allclose(call.segment.logprobs.to_numpy(), again.logprobs, atol=1e-6)
+        assert again.token_ids.to_numpy().tolist() == call.token_ids
+        assert np.allclose(call.segment.logprobs.to_numpy(), again.logprobs.to_numpy(), atol=1e-6)
     assert record.calls[0].segment.sampler.backend == "torch"
     assert comp.choices[0].text == record.calls[3].text
 

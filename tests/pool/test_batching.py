@@ -15,11 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fleetrl.actors.model import BOS_ID
-from fleetrl.actors.pool.local import LocalSampler, SamplerLost, backend_params
+from fleetrl.actors.pool.local import LocalSampler, SamplerLost
 from fleetrl.actors.pool import SamplerPool
 from fleetrl.actors.pool.remote_client import RemoteClientConfig, serve_once
 from fleetrl.actors.pool.remote_server import fleet_app
-from fleetrl.actors.samplers import SamplingParams, TorchBackend, TorchBackendConfig
+from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
 from fleetrl.actors.samplers.batching import batch_key, take_batch
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.control import MountTable, build_app, serve_control
@@ -45,7 +45,7 @@ class Plain:
 
     def __init__(self, inner: TorchBackend, gates: int = 0) -> None:
         self.inner = inner
-        self.calls: list[tuple[list[list[int]], SamplingParams]] = []
+        self.calls: list[tuple[list[list[int]], m.SamplingParams]] = []
         self.gates = [threading.Event() for _ in range(gates)]
         self.entered = 0
         self.runs: list = []
@@ -120,17 +120,11 @@ def _same(got: tuple, want: tuple) -> bool:
     return exact and close
 
 
-def _backend_arrays(g) -> tuple:
-    f32 = lambda xs: np.asarray(xs, dtype=np.float32).tolist()  # noqa: E731 - the wire carries float32
-    return (list(g.token_ids), f32(g.logprobs), list(g.support_ids), f32(g.support_logprobs),
-            list(g.support_offsets), list(g.versions), g.finish_reason)
-
-
 # -- pure: which requests share a call ---------------------------------------------------------
 
 def test_seeded_params_never_share_a_call():
-    assert batch_key(SamplingParams(max_tokens=4, seed=3)) is None
-    a, b = SamplingParams(max_tokens=4, top_p=0.9), SamplingParams(max_tokens=4, top_p=0.9)
+    assert batch_key(m.SamplingParams(max_tokens=4, seed=3)) is None
+    a, b = m.SamplingParams(max_tokens=4, top_p=0.9), m.SamplingParams(max_tokens=4, top_p=0.9)
     assert batch_key(a) == batch_key(b) is not None
     for other in (dict(max_tokens=5), dict(temperature=0.5), dict(top_k=3), dict(stop_ids=(1,)), dict(top_p=0.8)):
         assert batch_key(msgspec.structs.replace(a, **other)) != batch_key(a), other
@@ -182,7 +176,7 @@ async def test_concurrent_requests_share_calls_and_each_gets_its_own_row(torch_f
         replay = torch_fp32.generate(prompts, msgspec.structs.replace(params, seed=run.seed))
         for prompt, gen in zip(prompts, replay):
             rid = by_prompt[tuple(prompt)]
-            assert _same(_arrays(out[rid]), _backend_arrays(gen)), rid
+            assert _same(_arrays(out[rid]), _arrays(gen)), rid
 
 
 async def test_greedy_batched_equals_each_request_alone(torch_fp32):
@@ -193,8 +187,8 @@ async def test_greedy_batched_equals_each_request_alone(torch_fp32):
         out = await _all(sampler, reqs)
     assert [len(p) for p, _ in backend.calls] == [8]
     for r in reqs:
-        [alone] = torch_fp32.generate([r.prompt_ids.to_numpy().tolist()], backend_params(r.params))
-        assert _same(_arrays(out[r.request_id]), _backend_arrays(alone)), r.request_id
+        [alone] = torch_fp32.generate([r.prompt_ids.to_numpy().tolist()], r.params)
+        assert _same(_arrays(out[r.request_id]), _arrays(alone)), r.request_id
 
 
 async def test_seeded_requests_run_alone_and_get_exactly_their_solo_result(torch_fp32):
@@ -205,8 +199,8 @@ async def test_seeded_requests_run_alone_and_get_exactly_their_solo_result(torch
         out = await _all(sampler, reqs)
     assert [len(p) for p, _ in backend.calls] == [1] * 5
     for r in reqs:
-        [alone] = torch_fp32.generate([r.prompt_ids.to_numpy().tolist()], backend_params(r.params))
-        assert _same(_arrays(out[r.request_id]), _backend_arrays(alone))
+        [alone] = torch_fp32.generate([r.prompt_ids.to_numpy().tolist()], r.params)
+        assert _same(_arrays(out[r.request_id]), _arrays(alone))
 
 
 async def test_a_bad_request_fails_alone_and_never_reaches_the_batch(torch_fp32):

@@ -7,10 +7,10 @@ import pytest
 import trio
 
 from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, save_tiny_llama
-from fleetrl.actors.pool.local import LocalSampler, backend_params
+from fleetrl.actors.pool.local import LocalSampler
 from fleetrl.daemon import messages as m
 
-from .test_batching import Checked, _all, _arrays, _backend_arrays, _req
+from .test_batching import Checked, _all, _arrays, _req
 
 # vLLM and its dependencies warn at import and engine start; not ours to fix.
 pytestmark = [pytest.mark.filterwarnings(f"ignore::{w}")
@@ -42,7 +42,7 @@ async def test_vllm_serves_concurrent_requests_in_one_engine_call(engine):
     bad = out.pop("r6")
     assert isinstance(bad, m.GenerateFailed) and not bad.retryable and "is not a token id" in bad.reason
     for r in reqs[:6]:
-        [alone] = engine.generate([r.prompt_ids.to_numpy().tolist()], backend_params(r.params))
+        [alone] = engine.generate([r.prompt_ids.to_numpy().tolist()], r.params)
         got = out[r.request_id]
         assert isinstance(got, m.Generation) and got.token_ids.shape[0] == 8
-        assert _arrays(got)[0] == _backend_arrays(alone)[0], r.request_id  # greedy tokens as alone
+        assert _arrays(got)[0] == _arrays(alone)[0], r.request_id  # greedy tokens as alone

@@ -35,7 +35,7 @@ from fleetrl.actors.weights import MemoryStore, Publisher, PublisherConfig, Stor
 from fleetrl.actors.weights.http import blob_app
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.control import MountTable, build_app, serve_control
-from fleetrl.daemon.protocol import Tensor
+from fleetrl.daemon.protocol import Tensor, config_dtype
 
 from .test_remote import TOKEN, _Plane
 
@@ -107,7 +107,7 @@ async def test_two_local_two_remote_follow_versions_fail_over_and_refuse(fleet_m
         out = {}
         for r in pool.registry.records():
             if r.alive:
-                name = r.sampler_id if not r.remote else {"float8_e4m3fn": "fp8", "bfloat16": "bf16"}[r.identity.dtype]
+                name = r.sampler_id if not r.remote else config_dtype(r.identity.dtype)
                 out[name] = r.sampler_id
         return out
 

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetrl.actors.samplers import SamplingParams, TorchBackend, TorchBackendConfig
+from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
 from fleetrl.actors.samplers.llama_forward import projection
+from fleetrl.daemon.messages import SamplingParams
 
 from .conftest import PROMPTS
 
@@ -24,7 +25,7 @@ def first_step_distribution(be: TorchBackend) -> torch.Tensor:
     gens = be.generate(PROMPTS, SamplingParams(max_tokens=1, top_p=1.0, seed=0))
     rows = []
     for g in gens:
-        ids, lps = torch.tensor(g.support_ids), torch.tensor(g.support_logprobs)
+        ids, lps = g.support.ids.to_torch(), g.support.logprobs.to_torch()
         rows.append(lps[torch.argsort(ids)])
     return torch.stack(rows)
 
@@ -48,8 +49,8 @@ def test_shared_prefill_samples_what_an_unshared_one_does(model_dir):
     shared = backend(model_dir).generate(GROUPED, params)
     plain = backend(model_dir, share_prefill=False).generate(GROUPED, params)
     for s, p in zip(shared, plain):
-        assert s.token_ids == p.token_ids and s.support_ids == p.support_ids
-        assert max(abs(a - b) for a, b in zip(s.support_logprobs, p.support_logprobs)) < 1e-5
+        assert s.token_ids == p.token_ids and s.support.ids == p.support.ids
+        assert float((s.support.logprobs.to_torch() - p.support.logprobs.to_torch()).abs().max()) < 1e-5
     # the rows of one prompt share the prefill but not their samples
     assert len({g.token_ids for g in shared[:4]}) > 1
 
@@ -64,7 +65,7 @@ def test_any_sharing_pattern_matches_rows_run_alone(fp32_backend, picks, seed):
     for prompt, gen in zip(prompts, together):
         (alone,) = fp32_backend.generate([prompt], params)
         assert gen.token_ids == alone.token_ids
-        assert max(abs(a - b) for a, b in zip(gen.logprobs, alone.logprobs)) < 1e-5
+        assert float((gen.logprobs.to_torch() - alone.logprobs.to_torch()).abs().max()) < 1e-5
 
 
 # -- fp32 accumulation -------------------------------------------------------------------

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from fleetrl.actors.model import BOS_ID
-from fleetrl.actors.samplers import BadGenerateRequest, SamplingParams
+from fleetrl.actors.samplers import BadGenerateRequest
+from fleetrl.daemon.messages import SamplingParams
 
 from .conftest import PROMPTS, SPEC
 

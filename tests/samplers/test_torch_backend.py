@@ -16,16 +16,15 @@ from fleetrl.actors.model import BOS_ID, EOS_ID, VOCAB_SIZE, build_tiny_llama, r
 from fleetrl.actors.samplers import (
     BadGenerateRequest,
     BadWeightUpdate,
-    Generation,
     NumericalFailure,
     SamplerBackend,
-    SamplingParams,
     TorchBackend,
     TorchBackendConfig,
     WeightVersion,
     measure_mismatch,
     trainer_logprobs,
 )
+from fleetrl.daemon.messages import Generation, SamplingParams
 from fleetrl.grpo import replay_logprobs
 
 from .conftest import PROMPTS, SPEC
@@ -35,9 +34,23 @@ def backend(model_dir, dtype="fp32", **kw) -> TorchBackend:
     return TorchBackend(TorchBackendConfig(model_dir=str(model_dir), dtype=dtype, **kw))
 
 
+def tokens(gen) -> list[int]:
+    return gen.token_ids.to_numpy().tolist()
+
+
+def support_tensors(gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded support (ids -1, log-probs -inf) as torch tensors."""
+    ids, lps = gen.support.padded()
+    return torch.from_numpy(ids), torch.from_numpy(lps)
+
+
+def support_sizes(gen) -> list[int]:
+    return torch.from_numpy(gen.support.offsets.to_numpy().copy()).diff().tolist()
+
+
 def full_logits(model, prompt, gen):
     """The trainer's fp32 logits at the positions that predicted each generated token."""
-    ids = torch.tensor([list(prompt) + list(gen.token_ids)])
+    ids = torch.tensor([list(prompt) + tokens(gen)])
     with torch.no_grad():
         return model(ids).logits[0, len(prompt) - 1 : -1].float()
 
@@ -48,13 +61,13 @@ def test_fp32_logprobs_equal_trainer_replay(model_dir, trainer, temperature, top
     gens = backend(model_dir).generate(PROMPTS, params)
     worst = 0.0
     for prompt, gen in zip(PROMPTS, gens):
-        assert gen.num_tokens == 24 and set(gen.versions) == {0}
+        assert gen.num_tokens == 24 and set(gen.versions.to_numpy().tolist()) == {0}
         logp = trainer_logprobs(trainer, prompt, gen, temperature)
-        worst = max(worst, float((logp - torch.tensor(gen.logprobs)).abs().max()))
+        worst = max(worst, float((logp - gen.logprobs.to_torch()).abs().max()))
         # every member of every support, not only the sampled token
-        ids, lps = gen.support_tensors()
+        ids, lps = support_tensors(gen)
         _, logp_k = replay_logprobs((full_logits(trainer, prompt, gen) / temperature)[None],
-                                    torch.tensor([gen.token_ids]), ids[None])
+                                    gen.token_ids.to_torch()[None], ids[None])
         valid = ids >= 0
         worst = max(worst, float((logp_k[0][valid] - lps[valid]).abs().max()))
     assert worst < 1e-5
@@ -66,9 +79,9 @@ def test_greedy_follows_transformers_generate(model_dir, trainer):
         with torch.no_grad():
             out = trainer.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                    do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=EOS_ID)
-        assert list(gen.token_ids) == out[0, len(prompt):].tolist()
-        assert gen.logprobs == (0.0,) * gen.num_tokens  # greedy: the support is the argmax alone
-        assert gen.support_offsets == tuple(range(gen.num_tokens + 1))
+        assert tokens(gen) == out[0, len(prompt):].tolist()
+        assert gen.logprobs.to_numpy().tolist() == [0.0] * gen.num_tokens  # greedy: the support is the argmax alone
+        assert gen.support.offsets.to_numpy().tolist() == list(range(gen.num_tokens + 1))
 
 
 def test_sampled_steps_report_the_full_forward_distribution(model_dir, trainer):
@@ -76,7 +89,7 @@ def test_sampled_steps_report_the_full_forward_distribution(model_dir, trainer):
     log_softmax at that position, which checks the KV cache along sampled paths."""
     gens = backend(model_dir).generate(PROMPTS, SamplingParams(max_tokens=16, seed=4))
     for prompt, gen in zip(PROMPTS, gens):
-        ids, lps = gen.support_tensors()
+        ids, lps = support_tensors(gen)
         assert ids.shape == (16, VOCAB_SIZE) and bool((ids >= 0).all())
         ref = torch.log_softmax(full_logits(trainer, prompt, gen), -1).gather(1, ids)
         assert float((ref - lps).abs().max()) < 1e-5
@@ -87,13 +100,13 @@ def test_support_invariants(model_dir, trainer):
     gens = backend(model_dir).generate(PROMPTS, SamplingParams(max_tokens=24, top_p=top_p, seed=2))
     sizes = []
     for prompt, gen in zip(PROMPTS, gens):
-        ids, lps = gen.support_tensors()
+        ids, lps = support_tensors(gen)
         q = torch.softmax(full_logits(trainer, prompt, gen), -1)
         for t in range(gen.num_tokens):
             k = int((ids[t] >= 0).sum())
             sizes.append(k)
             members, member_lps = ids[t, :k], lps[t, :k]
-            assert gen.token_ids[t] in members.tolist()
+            assert tokens(gen)[t] in members.tolist()
             assert math.isclose(float(member_lps.double().exp().sum()), 1.0, abs_tol=1e-5)
             assert bool((member_lps[:-1] >= member_lps[1:]).all())  # most likely first
             mass = q[t, members]
@@ -104,7 +117,7 @@ def test_support_invariants(model_dir, trainer):
 
     capped = backend(model_dir).generate(PROMPTS, SamplingParams(max_tokens=8, top_p=0.99, top_k=3, seed=2))
     for gen in capped:
-        assert max(b - a for a, b in zip(gen.support_offsets, gen.support_offsets[1:])) <= 3
+        assert max(support_sizes(gen)) <= 3
 
 
 def test_seeds_make_generation_reproducible(model_dir):
@@ -122,16 +135,16 @@ def test_stop_ids_and_max_tokens_end_rows_of_a_mixed_batch(model_dir):
     be = backend(model_dir)
     free = be.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0))
     assert [(g.num_tokens, g.finish_reason) for g in free] == [(16, "length")] * 3
-    stop = free[0].token_ids[5]
+    stop = tokens(free[0])[5]
     stopped = be.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, stop_ids=(stop,)))
     ended_early = 0
     for f, s in zip(free, stopped):
-        if stop in f.token_ids:
-            end = f.token_ids.index(stop) + 1
-            assert s.token_ids == f.token_ids[:end] and s.finish_reason == "stop"
+        if stop in tokens(f):
+            end = tokens(f).index(stop) + 1
+            assert tokens(s) == tokens(f)[:end] and s.finish_reason == "stop"
             ended_early += 1
         else:
-            assert s.token_ids == f.token_ids and s.finish_reason == "length"
+            assert tokens(s) == tokens(f) and s.finish_reason == "length"
     assert ended_early >= 1 and stopped[0].num_tokens <= 6
 
 
@@ -185,8 +198,8 @@ def test_inflight_update_between_steps(model_dir, dtype):
         run.step()
     uniform = -math.log(VOCAB_SIZE)
     for gen in run.results():
-        assert gen.versions == (0,) * 3 + (1,) * 7
-        ids, lps = gen.support_tensors()
+        assert gen.versions.to_numpy().tolist() == [0] * 3 + [1] * 7
+        ids, lps = support_tensors(gen)
         assert float((lps[3:] - uniform).abs().max()) < 1e-6  # from the new weights
         assert bool((lps[:3, 0] > uniform + 0.1).all())  # the old weights were not uniform
 
@@ -213,7 +226,8 @@ def test_update_from_another_thread_lands_between_steps(model_dir, other_model_d
     worker.join(timeout=120)
     assert not worker.is_alive() and not failure
     for gen in run.results():
-        assert gen.versions[0] == 0 and gen.versions[-1] == 1  # non-decreasing is checked by Generation
+        versions = gen.versions.to_numpy()
+        assert versions[0] == 0 and versions[-1] == 1  # non-decreasing is checked when the backend builds it
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
@@ -226,8 +240,8 @@ def test_update_between_requests_equals_a_fresh_backend(model_dir, other_model_d
     got = be.generate(PROMPTS, params)
     want = backend(other_model_dir, dtype).generate(PROMPTS, params)
     for g, w in zip(got, want):
-        assert (g.token_ids, g.logprobs, g.support_ids) == (w.token_ids, w.logprobs, w.support_ids)
-        assert set(g.versions) == {5}
+        assert (g.token_ids, g.logprobs, g.support.ids) == (w.token_ids, w.logprobs, w.support.ids)
+        assert set(g.versions.to_numpy().tolist()) == {5}
 
 
 def test_bad_updates_change_nothing(model_dir):
@@ -265,7 +279,7 @@ def test_backend_copies_what_it_is_given(model_dir, other_model_dir):
 def test_health_and_protocol(model_dir):
     be = backend(model_dir, "bf16")
     assert isinstance(be, SamplerBackend)
-    assert (be.identity.backend, be.identity.device, be.identity.dtype) == ("torch", "cpu", "bf16")
+    assert (be.identity.backend, be.identity.device_kind, be.identity.dtype) == ("torch", "cpu", "bfloat16")
     health = be.health()
     assert health.ok and health.version == be.weight_version and health.version.digest.startswith("sha256:")
     be.apply_update({"model.norm.weight": torch.ones(SPEC.hidden_size)}, WeightVersion(4, "d4"))
@@ -283,7 +297,7 @@ def test_tied_embeddings_model(tmp_path):
     path = save_tiny_llama(model, tmp_path / "tied")
     gen = backend(path).generate(PROMPTS[:1], SamplingParams(max_tokens=8, seed=0))[0]
     logp = trainer_logprobs(model, PROMPTS[0], gen, 1.0)
-    assert float((logp - torch.tensor(gen.logprobs)).abs().max()) < 1e-5
+    assert float((logp - gen.logprobs.to_torch()).abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("scheme", ["tensor", "row", "block128"])
@@ -324,16 +338,16 @@ def test_any_request_keeps_the_contract(fp32_backend, trainer, prompts, temperat
     assert len(gens) == len(prompts)
     for prompt, gen in zip(prompts, gens):
         assert 1 <= gen.num_tokens <= max_tokens
-        assert not set(gen.token_ids[:-1]) & set(stop_ids)  # a stop id ends the row at once
+        assert not set(tokens(gen)[:-1]) & set(stop_ids)  # a stop id ends the row at once
         if gen.finish_reason == "stop":
-            assert gen.token_ids[-1] in stop_ids
+            assert tokens(gen)[-1] in stop_ids
         else:
             assert gen.num_tokens == max_tokens
-        sizes = [b - a for a, b in zip(gen.support_offsets, gen.support_offsets[1:])]
+        sizes = support_sizes(gen)
         assert max(sizes) <= (top_k or VOCAB_SIZE) and (temperature > 0 or max(sizes) == 1)
         logp = trainer_logprobs(trainer, prompt, gen, temperature)
         if temperature == 0:
             assert float(logp.abs().max()) == 0.0  # one-member supports on both sides
         else:  # dividing by a temperature below 1 scales rounding differences up
-            assert float((logp - torch.tensor(gen.logprobs)).abs().max()) < 1e-5 / min(temperature, 1.0)
+            assert float((logp - gen.logprobs.to_torch()).abs().max()) < 1e-5 / min(temperature, 1.0)
 

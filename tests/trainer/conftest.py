@@ -89,20 +89,20 @@ def sampled_group(model_dir: str, group_id: str, prompt: Sequence[int], rewards:
                   version: int = 0, dtype: str = "fp32", max_tokens: int = 12, top_p: float = 0.9,
                   seed: int = 0, backend=None) -> m.RolloutGroup:
     """A group sampled by the real torch backend at ``model_dir``'s weights."""
-    from fleetrl.actors.samplers import SamplingParams, TorchBackend, TorchBackendConfig, WeightVersion
+    from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig, WeightVersion
+    from fleetrl.actors.samplers.base import served_identity
 
     be = backend or TorchBackend(TorchBackendConfig(model_dir=model_dir, dtype=dtype),
                                  version=WeightVersion(version, "x"))
-    ident = m.SamplerIdentity(sampler_id=f"s-{dtype}", backend="torch", device_kind="cpu",
-                              dtype={"fp32": "float32", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}.get(dtype, dtype))
+    ident = served_identity(be, f"s-{dtype}")
     gens = be.generate([list(prompt)] * len(rewards),
-                       SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=top_p, seed=seed))
+                       m.SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=top_p, seed=seed))
+    prompt_ids = Tensor.from_numpy(np.asarray(prompt, dtype=np.int64))
     trajs = []
     for gen, r in zip(gens, rewards):
-        offs = np.asarray(gen.support_offsets, dtype=np.int64)
-        sup = [[(gen.support_ids[j], gen.support_logprobs[j]) for j in range(offs[t], offs[t + 1])]
-               for t in range(len(gen.token_ids))]
-        trajs.append(([segment(prompt, gen.token_ids, gen.logprobs, sup, gen.versions, ident)], r))
+        seg = m.TokenSegment(prompt_ids=prompt_ids, token_ids=gen.token_ids, logprobs=gen.logprobs,
+                             support=gen.support, versions=gen.versions, sampler=ident, finish_reason="stop")
+        trajs.append(([seg], r))
     return group_of(group_id, trajs, task_id=f"task-{group_id}")
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, load_tiny_llama, save_tiny_llama
+from fleetrl.daemon.protocol import Tensor
 
 SPEC = TinyLlamaSpec(
     hidden_size=64,
@@ -63,9 +64,9 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def reference_logits(model: torch.nn.Module, prompt: list[int], tokens: tuple[int, ...]) -> torch.Tensor:
+def reference_logits(model: torch.nn.Module, prompt: list[int], tokens: Tensor) -> torch.Tensor:
     """fp32 logits [N, V] that predicted each of `tokens` after `prompt` (one forward)."""
-    ids = torch.tensor([list(prompt) + list(tokens)], dtype=torch.long)
+    ids = torch.tensor([list(prompt) + tokens.to_numpy().tolist()], dtype=torch.long)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
     return logits
@@ -73,8 +74,4 @@ def reference_logits(model: torch.nn.Module, prompt: list[int], tokens: tuple[in
 
 def supports_of(gen) -> list[tuple[list[int], list[float]]]:
     """Per generated token: (support ids, support log-probs) from a Generation's CSR."""
-    o = gen.support_offsets
-    return [
-        (list(gen.support_ids[o[t] : o[t + 1]]), list(gen.support_logprobs[o[t] : o[t + 1]]))
-        for t in range(gen.num_tokens)
-    ]
+    return [tuple(a.tolist() for a in gen.support.row(t)) for t in range(gen.num_tokens)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig, measure_mismatch
-from fleetrl.actors.samplers.base import SamplingParams
+from fleetrl.daemon.messages import SamplingParams
 
 from .conftest import PROMPTS
 
@@ -37,12 +37,12 @@ def backend(model_dir):
 def _logq(gens) -> torch.Tensor:
     out = torch.full((len(gens), 259), math.nan, dtype=torch.float64)
     for i, g in enumerate(gens):
-        out[i, torch.tensor(g.support_ids)] = torch.tensor(g.support_logprobs, dtype=torch.float64)
+        out[i, g.support.ids.to_torch()] = g.support.logprobs.to_torch().double()
     return out
 
 
 def test_bf16_agrees_with_the_torch_backend_in_bf16(backend, model_dir, reference):
-    assert backend.identity.dtype == "bf16"
+    assert backend.identity.dtype == "bfloat16"
     text = b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)\n"
     prefixes = [[PROMPTS[0][0], *text[:j]] for j in range(0, len(text), 4)]
     params = SamplingParams(max_tokens=1, temperature=1.0, seed=0)

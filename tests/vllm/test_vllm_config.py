@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from fleetrl.actors.model import TinyLlamaSpec, build_tiny_llama, save_tiny_llama
-from fleetrl.actors.samplers.vllm_backend import VllmBackend, VllmBackendConfig, request_seeds
+from fleetrl.actors.samplers.vllm_backend import VllmBackend, VllmBackendConfig
+from fleetrl.actors.samplers.vllm_output import request_seeds
 from fleetrl.actors.samplers.vllm_worker import parse_support_arg, support_mask_
 
 
@@ -110,9 +111,9 @@ def test_engine_start_scan_survives_numba_in_the_process():
     from vllm.triton_utils.dispatcher import _rebind_kernels
 
     import fleetrl.actors.weights.kernels  # noqa: F401 - loads numba and llvmlite
-    from fleetrl.actors.samplers.vllm_backend import _hide_llvmlite_from_kernel_scan
+    from fleetrl.actors.samplers.vllm_setup import hide_llvmlite_from_kernel_scan
 
     lib = sys.modules["llvmlite.binding.ffi"].lib
-    _hide_llvmlite_from_kernel_scan()
+    hide_llvmlite_from_kernel_scan()
     assert vars(lib) == {}
     _rebind_kernels([])  # the scan an engine start runs, with nothing to rebind

@@ -18,13 +18,8 @@ import pytest
 import torch
 
 from fleetrl.actors.model import load_tiny_llama, read_state_dict
-from fleetrl.actors.samplers.base import (
-    BadGenerateRequest,
-    BadWeightUpdate,
-    SamplerBackend,
-    SamplingParams,
-    WeightVersion,
-)
+from fleetrl.actors.samplers import BadGenerateRequest, BadWeightUpdate, SamplerBackend, WeightVersion
+from fleetrl.daemon.messages import SamplingParams
 from fleetrl.grpo import sampler_support
 
 from .conftest import PROMPTS, SPEC, reference_logits, supports_of
@@ -60,8 +55,8 @@ def near_nucleus_boundary(logits: torch.Tensor, temperature: float, top_p: float
 def test_implements_protocol(backend):
     assert isinstance(backend, SamplerBackend)
     assert backend.identity.backend == "vllm"
-    assert backend.identity.dtype == "fp32"
-    assert backend.identity.device == "cpu"
+    assert backend.identity.dtype == "float32"
+    assert backend.identity.device_kind == "cpu"
     assert backend.weight_version == WeightVersion(0, "digest-0")
 
 
@@ -124,17 +119,17 @@ def test_no_truncation_reports_the_whole_vocabulary(backend, reference):
             got = torch.full((backend.vocab_size,), math.nan, dtype=torch.float64)
             got[torch.tensor(ids)] = torch.tensor(lps, dtype=torch.float64)
             assert float((got - expected[t]).abs().max()) < LOGPROB_TOL
-            assert gen.logprobs[t] == lps[ids.index(gen.token_ids[t])]
+            assert gen.logprobs.to_numpy()[t] == lps[ids.index(int(gen.token_ids.to_numpy()[t]))]
 
 
 def test_greedy_follows_the_reference_argmax(backend, reference):
     gens = backend.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
     for prompt, gen in zip(PROMPTS, gens):
         logits = reference_logits(reference, prompt, gen.token_ids)
-        assert list(gen.token_ids) == logits.argmax(-1).tolist()
-        assert gen.support_ids == gen.token_ids
-        assert set(gen.logprobs) == {0.0}
-        assert gen.support_offsets == tuple(range(13))
+        assert gen.token_ids.to_numpy().tolist() == logits.argmax(-1).tolist()
+        assert gen.support.ids.to_numpy().tolist() == gen.token_ids.to_numpy().tolist()
+        assert set(gen.logprobs.to_numpy().tolist()) == {0.0}
+        assert gen.support.offsets.to_numpy().tolist() == list(range(13))
 
 
 def test_same_seed_same_tokens_and_each_prompt_its_own_stream(backend):
@@ -154,10 +149,11 @@ def test_same_seed_same_tokens_and_each_prompt_its_own_stream(backend):
 
 def test_stop_ids_end_a_sequence_and_are_reported(backend):
     [greedy] = backend.generate([PROMPTS[0]], SamplingParams(max_tokens=20, temperature=0.0))
-    t = next(i for i in range(3, 20) if greedy.token_ids[i] not in greedy.token_ids[:i])
-    stop = greedy.token_ids[t]
+    tokens = greedy.token_ids.to_numpy().tolist()
+    t = next(i for i in range(3, 20) if tokens[i] not in tokens[:i])
+    stop = tokens[t]
     [stopped] = backend.generate([PROMPTS[0]], SamplingParams(max_tokens=20, temperature=0.0, stop_ids=(stop,)))
-    assert stopped.token_ids == greedy.token_ids[: t + 1]
+    assert stopped.token_ids.to_numpy().tolist() == tokens[: t + 1]
     assert stopped.finish_reason == "stop"
     assert greedy.finish_reason == "length"
     # sampling: every token is a stop token, so each sequence ends after one token
@@ -214,8 +210,8 @@ def test_agrees_with_the_torch_backend_in_fp32(backend, model_dir):
     for a, b in zip(ours, theirs):
         la = torch.full((259,), math.nan, dtype=torch.float64)
         lb = la.clone()
-        la[torch.tensor(a.support_ids)] = torch.tensor(a.support_logprobs, dtype=torch.float64)
-        lb[torch.tensor(b.support_ids)] = torch.tensor(b.support_logprobs, dtype=torch.float64)
+        la[a.support.ids.to_torch()] = a.support.logprobs.to_torch().double()
+        lb[b.support.ids.to_torch()] = b.support.logprobs.to_torch().double()
         worst = max(worst, float((la - lb).abs().max()))
     print(f"fp32 vLLM vs torch backend: max |log q diff| {worst:.3g} over {len(prefixes)} prefixes")
     assert worst < LOGPROB_TOL
@@ -241,7 +237,7 @@ def _next_token_logprobs(backend, temperature: float = 1.0) -> list[torch.Tensor
     out = []
     for gen in gens:
         lp = torch.full((backend.vocab_size,), math.nan, dtype=torch.float64)
-        lp[torch.tensor(gen.support_ids)] = torch.tensor(gen.support_logprobs, dtype=torch.float64)
+        lp[gen.support.ids.to_torch()] = gen.support.logprobs.to_torch().double()
         out.append(lp)
     return out
 
@@ -277,7 +273,7 @@ def test_update_in_place_changes_outputs_to_the_new_weights(backend, model_dir, 
             assert float((b - a).abs().max()) > 0.1, "the update did not change the outputs"
         assert backend.parameter_storage() == storage, "parameters were reallocated (not updated in place)"
         gens = backend.generate(PROMPTS[:2], SamplingParams(max_tokens=3, top_k=10, seed=1))
-        assert all(set(g.versions) == {start + 1} for g in gens)
+        assert all(set(g.versions.to_numpy().tolist()) == {start + 1} for g in gens)
 
         # a second version on top of the first: every fused shard now from the new model
         backend.apply_update(new, WeightVersion(start + 2, "digest-2"))
@@ -337,7 +333,7 @@ def test_update_during_a_generation_lands_between_steps(backend, model_dir):
     assert worker.is_alive(), "apply_update waited for the whole generation instead of a step boundary"
     worker.join(timeout=120)
     [gen] = result[0]
-    versions = list(gen.versions)
+    versions = gen.versions.to_numpy().tolist()
     assert versions == sorted(versions)
     assert versions[0] == start and versions[-1] == start + 1
     backend.load_version(original, WeightVersion(start + 2, "restored"))

@@ -1,0 +1,319 @@
+"""Generate requests on one blocking backend, concurrent ones decoded as batches.
+
+Backends are synchronous (CPU/GPU bound) and decode a batch of prompts faster than the
+same prompts one by one. `Batcher` turns the concurrent requests waiting for one
+backend into batches (one backend call for many requests with the same sampling
+parameters, each answered with its own `Generation`), runs them in worker threads, and
+turns backend errors into answers: a bad request is a non-retryable `GenerateFailed`
+for that request alone (another sampler would refuse it too); numerical trouble is
+retryable elsewhere; anything else means the sampler itself is broken and raises
+`SamplerLost`, so the pool re-routes the request and restarts the sampler. Each answer
+is the backend's own `Generation` stamped (``samplers.base.stamp``) with the request id and the
+sampler identity it is served under.
+
+``capacity`` is the number of requests a sampler serves at once (what the pool routes
+against); ``max_batch`` the most requests in one backend call. See `Batcher` for the
+rules, and `fleetrl.actors.samplers.batching` for which requests may share a call
+(seeded requests run alone).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import trio
+
+from fleetrl.actors.samplers.base import SamplerBackend, stamp
+from fleetrl.actors.samplers.batching import batch_key, take_batch
+from fleetrl.actors.samplers.errors import BadGenerateRequest, NumericalFailure
+from fleetrl.daemon import messages as m
+
+__all__ = ["BatchStatistics", "Batcher", "SamplerLost", "decode_batch", "run_generate"]
+
+
+class SamplerLost(Exception):
+    """The sampler is gone or broken; the request it held must be routed elsewhere."""
+
+
+def _too_old(backend: SamplerBackend, identity: m.SamplerIdentity,
+             request: m.GenerateRequest) -> m.GenerateFailed | None:
+    held = backend.weight_version.version
+    if held < request.min_version:
+        return m.GenerateFailed(request_id=request.request_id, retryable=True,
+                                reason=f"sampler {identity.sampler_id} holds version {held} < "
+                                       f"min_version {request.min_version}")
+    return None
+
+
+def _request_error(request_id: str, identity: m.SamplerIdentity, exc: Exception) -> m.GenerateFailed:
+    """The answer to an error that a request's own input caused (or numerical trouble)."""
+    retryable = isinstance(exc, NumericalFailure)
+    return m.GenerateFailed(request_id=request_id, reason=f"sampler {identity.sampler_id}: {exc}",
+                            retryable=retryable)
+
+
+_REQUEST_ERRORS = (BadGenerateRequest, ValueError, NumericalFailure)
+
+
+def run_generate(backend: SamplerBackend, identity: m.SamplerIdentity,
+                 request: m.GenerateRequest) -> m.Generation | m.GenerateFailed:
+    """Blocking: one request alone through `backend` (a batch of one)."""
+    old = _too_old(backend, identity, request)
+    if old is not None:
+        return old
+    try:
+        gens = backend.generate([request.prompt_ids.to_numpy().tolist()], request.params)
+    except _REQUEST_ERRORS as exc:
+        return _request_error(request.request_id, identity, exc)
+    return stamp(gens[0], request.request_id, identity)
+
+
+def decode_batch(backend: SamplerBackend, prompts: list[list[int]], params: m.SamplingParams,
+                 emit: Callable[[int, m.Generation], None]) -> None:
+    """Blocking: one backend call for `prompts`; ``emit(i, generation)`` for each prompt.
+
+    A backend that decodes step by step (``start(prompts, params)`` returning a run with
+    ``step()``, ``done`` and ``take_finished()``, as `TorchBackend`) has each prompt
+    emitted as soon as it finishes; any other backend's are emitted when its
+    ``generate`` returns.
+    """
+    start = getattr(backend, "start", None)
+    if start is None:
+        for i, gen in enumerate(backend.generate(prompts, params)):
+            emit(i, gen)
+        return
+    run = start(prompts, params)
+    while not run.done:
+        run.step()
+        for i, gen in run.take_finished():
+            emit(i, gen)
+
+
+class BatchStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """What a `Batcher` has done so far."""
+
+    requests: int
+    """Requests that reached the backend (in a batch)."""
+    calls: int
+    """Backend calls (batches) started."""
+    largest: int
+    """Most requests in one call."""
+    queued: int
+    """Requests waiting for a batch now."""
+    running: int
+    """Requests in running batches now."""
+
+
+class _Job:
+    __slots__ = ("answer", "done", "lost", "params", "prompt", "request", "started")
+
+    def __init__(self, request: m.GenerateRequest, params: m.SamplingParams, prompt: list[int],
+                 started: Callable[[], None]) -> None:
+        self.request = request
+        self.params = params
+        self.prompt = prompt
+        self.started = started
+        self.done = trio.Event()
+        self.answer: m.Generation | m.GenerateFailed | None = None
+        self.lost: str | None = None
+
+
+class Batcher:
+    """Serves generate requests on one backend, concurrent requests as batches.
+
+    Requests wait in a FIFO queue. Whenever fewer than ``ceil(capacity / max_batch)``
+    backend calls run and fewer than ``capacity`` requests are in them, the next batch
+    leaves the queue (`fleetrl.actors.samplers.batching.take_batch`: the oldest request
+    and the compatible ones behind it, at most ``max_batch`` and the free capacity) and
+    runs as one backend call in a worker thread. Nothing waits on purpose: batches form
+    at the end of the Trio scheduling round in which requests arrive (requests that
+    arrive together, e.g. a group of attempts started at once, share a call), and
+    requests that arrive while the sampler's calls run form the next batch. With
+    ``max_batch = 1`` every request is its own call, at most ``capacity`` at once (the
+    behaviour before batching).
+
+    Per request:
+
+    * it is checked alone before it joins a batch (its parameters; the backend's
+      ``check_generate`` when it has one; ``min_version`` against the weights when its
+      batch forms), so a bad request is answered alone (`GenerateFailed`, not
+      retryable) and never reaches the others' call. If a batch of several still fails
+      with a request error (a bad request the check did not catch, or non-finite logits),
+      its unanswered requests are re-run one by one, so the error lands only on the
+      request that causes it;
+    * ``started()`` is called when its batch starts, and its answer is handed back as soon
+      as its own prompt finishes (backends that decode step by step, like the torch one,
+      finish short generations before long ones of the same batch);
+    * cancelling it (a caller's timeout, the pool taking the sampler out) takes it out of
+      the queue, or, once its batch runs, drops its answer: the batch goes on for the
+      other requests;
+    * any other backend error means the backend is broken: every unanswered request of
+      that batch raises `SamplerLost`.
+
+    Batches run in threads started with `trio.lowlevel.start_thread_soon`, owned by no
+    task, so no single request's cancellation can cancel them; a hung backend call is
+    left behind (its requests are answered `SamplerLost` by whoever takes the sampler
+    out, e.g. the pool's ``request_timeout_s``).
+    """
+
+    def __init__(self, backend: SamplerBackend, identity: m.SamplerIdentity, *, capacity: int = 1,
+                 max_batch: int = 64) -> None:
+        if capacity < 1:
+            raise ValueError(f"sampler {identity.sampler_id}: capacity must be >= 1, got {capacity}")
+        if max_batch < 1:
+            raise ValueError(f"sampler {identity.sampler_id}: max_batch must be >= 1, got {max_batch}")
+        self.backend = backend
+        self.identity = identity
+        self.capacity = capacity
+        self.max_batch = max_batch
+        self.max_calls = -(-capacity // max_batch)
+        self._queue: list[_Job] = []
+        self._calls_running = 0
+        self._in_service = 0
+        self._closed: str | None = None
+        self._requests = 0
+        self._calls = 0
+        self._largest = 0
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._dispatch_due = False
+
+    def statistics(self) -> BatchStatistics:
+        return BatchStatistics(requests=self._requests, calls=self._calls, largest=self._largest,
+                               queued=len(self._queue), running=self._in_service)
+
+    async def submit(self, request: m.GenerateRequest, started: Callable[[], None]
+                     ) -> m.Generation | m.GenerateFailed:
+        """Answer `request` (see the class docstring). Raises SamplerLost."""
+        if self._closed is not None:
+            raise SamplerLost(f"sampler {self.identity.sampler_id} is {self._closed}")
+        self._token = trio.lowlevel.current_trio_token()
+        params = request.params
+        try:
+            prompt = request.prompt_ids.to_numpy().tolist()
+            check = getattr(self.backend, "check_generate", None)
+            if check is not None:
+                check([prompt], params)
+        except (BadGenerateRequest, ValueError) as exc:
+            return _request_error(request.request_id, self.identity, exc)
+        job = _Job(request, params, prompt, started)
+        self._queue.append(job)
+        if not self._dispatch_due:  # once the tasks runnable now have queued their requests too
+            self._dispatch_due = True
+            self._token.run_sync_soon(self._due)
+        try:
+            await job.done.wait()
+        except BaseException:
+            if job in self._queue:
+                self._queue.remove(job)
+            raise
+        if job.lost is not None:
+            raise SamplerLost(job.lost)
+        assert job.answer is not None
+        return job.answer
+
+    def close(self, reason: str = "closed") -> None:
+        """Take no more requests; the waiting ones raise SamplerLost (running batches finish)."""
+        if self._closed is not None:
+            return
+        self._closed = reason
+        queued, self._queue = self._queue, []
+        for job in queued:
+            self._finish(job, None, f"sampler {self.identity.sampler_id} is {reason}")
+
+    # -- in the Trio thread --------------------------------------------------------------
+    def _due(self) -> None:
+        self._dispatch_due = False
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._queue and self._calls_running < self.max_calls and self._in_service < self.capacity:
+            limit = min(self.max_batch, self.capacity - self._in_service)
+            jobs = take_batch(self._queue, lambda j: batch_key(j.params), limit)
+            ready = []
+            try:  # runs as a Trio callback: an exception here would end the whole Trio run
+                for job in jobs:
+                    old = _too_old(self.backend, self.identity, job.request)
+                    if old is not None:
+                        self._finish(job, old, None)
+                    else:
+                        ready.append(job)
+                for job in ready:
+                    job.started()
+            except Exception as exc:  # noqa: BLE001 - a broken backend or caller: lose this batch
+                for job in jobs:
+                    self._finish(job, None, f"sampler {self.identity.sampler_id} failed: "
+                                            f"{type(exc).__name__}: {exc}")
+                continue
+            if not ready:
+                continue
+            self._calls_running += 1
+            self._in_service += len(ready)
+            self._requests += len(ready)
+            self._calls += 1
+            self._largest = max(self._largest, len(ready))
+            trio.lowlevel.start_thread_soon(
+                functools.partial(self._run, ready),
+                functools.partial(self._post, self._ended, ready))
+
+    def _finish(self, job: _Job, answer: m.Generation | m.GenerateFailed | None, lost: str | None) -> None:
+        if job.done.is_set():
+            return
+        job.answer, job.lost = answer, lost
+        job.done.set()
+
+    def _answered(self, job: _Job, answer: m.Generation | m.GenerateFailed | None, lost: str | None) -> None:
+        if not job.done.is_set():
+            self._in_service -= 1
+        self._finish(job, answer, lost)
+
+    def _ended(self, jobs: list[_Job], outcome: Any) -> None:
+        """A batch's thread is over: whatever it left unanswered is lost."""
+        self._calls_running -= 1
+        error = getattr(outcome, "error", None)
+        why = f"{type(error).__name__}: {error}" if error is not None else "the batch ended without an answer"
+        for job in jobs:
+            if not job.done.is_set():
+                self._answered(job, None, f"sampler {self.identity.sampler_id} failed: {why}")
+        self._dispatch()
+
+    # -- in the batch's worker thread -----------------------------------------------------
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        token = self._token
+        assert token is not None
+        try:
+            token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            pass  # the Trio run is over; nobody waits for the answer any more
+
+    def _run(self, jobs: list[_Job]) -> None:
+        identity = self.identity
+        answered: set[int] = set()
+
+        def emit(i: int, gen: m.Generation) -> None:
+            answered.add(i)
+            self._post(self._answered, jobs[i], stamp(gen, jobs[i].request.request_id, identity), None)
+
+        try:
+            decode_batch(self.backend, [j.prompt for j in jobs], jobs[0].params, emit)
+        except _REQUEST_ERRORS as exc:
+            rest = [j for i, j in enumerate(jobs) if i not in answered]
+            if len(jobs) == 1:
+                for job in rest:
+                    self._post(self._answered, job, _request_error(job.request.request_id, identity, exc), None)
+                return
+            for job in rest:  # find the culprit: each one alone
+                try:
+                    answer = run_generate(self.backend, identity, job.request)
+                except Exception as alone:
+                    self._post(self._answered, job, None,
+                               f"sampler {identity.sampler_id} failed: {type(alone).__name__}: {alone}")
+                else:
+                    self._post(self._answered, job, answer, None)
+        except Exception as exc:
+            why = f"sampler {identity.sampler_id} failed: {type(exc).__name__}: {exc}"
+            for i, job in enumerate(jobs):
+                if i not in answered:
+                    self._post(self._answered, job, None, why)

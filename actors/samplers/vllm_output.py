@@ -1,0 +1,82 @@
+"""What the vLLM backend makes of the engine's output (pure, no vLLM import).
+
+vLLM returns, per decoded token, its processed log-probs ``{id: Logprob}`` (see
+`vllm_backend`): the finite entries are the support. `support_from_logprobs` turns one
+of those into fleetrl's support (renormalised, most likely first), `Collected` gathers a
+request's tokens as engine steps deliver them and builds its wire `Generation`, and
+`request_seeds` derives each prompt's seed from the batch seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fleetrl.actors.samplers.base import TokenLog
+from fleetrl.actors.samplers.errors import SamplerError, VllmSupportError
+from fleetrl.daemon.messages import Generation, SamplerIdentity
+
+__all__ = ["Collected", "request_seeds", "support_from_logprobs"]
+
+
+def request_seeds(seed: int, n: int) -> list[int]:
+    """Independent per-prompt seeds derived from one batch seed (prompt order matters).
+
+    Every prompt needs its own stream: with one seed for all, G attempts of the same
+    prompt would draw identical samples.
+    """
+    state = np.random.SeedSequence([seed, 0x666C656574726C]).generate_state(n, dtype=np.uint64)
+    return [int(s >> np.uint64(1)) for s in state]
+
+
+class Collected:
+    """One request's tokens, supports and versions as engine steps deliver them."""
+
+    def __init__(self) -> None:
+        self.log = TokenLog()
+
+    def add(self, out: Any, version: int, greedy: bool) -> None:
+        [completion] = out.outputs
+        token_ids = list(completion.token_ids)
+        logprobs = completion.logprobs or []
+        if len(logprobs) != len(token_ids):
+            raise VllmSupportError(
+                f"request {out.request_id}: vLLM returned {len(token_ids)} tokens but {len(logprobs)} log-prob entries"
+            )
+        for tok, entry in zip(token_ids, logprobs):
+            t = len(self.log.tokens)
+            if greedy:
+                ids, lps = [int(tok)], [0.0]
+            else:
+                ids, lps = support_from_logprobs(entry, int(tok), where=f"request {out.request_id} token {t}")
+            self.log.add(int(tok), lps[ids.index(int(tok))], ids, lps, version)
+        if out.finished:
+            self.log.finish = "stop" if completion.finish_reason == "stop" else "length"
+
+    def generation(self, i: int, identity: SamplerIdentity, seed: int) -> Generation:
+        """Prompt ``i``'s wire `Generation` (raises SamplerError if vLLM never finished it)."""
+        if self.log.finish is None:
+            raise SamplerError(f"prompt {i}: vLLM ended without finishing the request")
+        return self.log.generation(identity, seed, logprob_dtype=np.float64)  # renormalised in float64
+
+
+def support_from_logprobs(entry: Mapping[int, Any], token: int, *, where: str) -> tuple[list[int], list[float]]:
+    """The support of one position from vLLM's processed log-probs ``{id: Logprob}``.
+
+    The finite entries are the support; they are renormalised in float64 (vLLM computes
+    them in float32) and ordered most likely first, ties lower id first. Raises
+    VllmSupportError when the sampled token is not among them.
+    """
+    ids = np.fromiter((int(k) for k in entry), dtype=np.int64, count=len(entry))
+    lps = np.fromiter((float(v.logprob) for v in entry.values()), dtype=np.float64, count=len(entry))
+    finite = np.isfinite(lps)
+    ids, lps = ids[finite], lps[finite]
+    if token not in ids:
+        raise VllmSupportError(f"{where}: sampled token {token} is not among vLLM's {len(ids)} finite log-probs")
+    top = lps.max()
+    lps = lps - (top + math.log(np.exp(lps - top).sum()))
+    order = np.lexsort((ids, -lps))
+    return ids[order].tolist(), np.minimum(lps[order], 0.0).tolist()
