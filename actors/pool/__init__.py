@@ -5,17 +5,22 @@ records and cost measurement). I/O around it: `local` (a backend in a worker thr
 `core` (the routing core `SamplerPool`, the pool actor's handle), `config`
 (`PoolConfig`), `actor` (the actor ``fleetrl.actors.pool:run``), `auth` (the fleet
 token), `metrics` (per-sampler Prometheus series), `remote_server` (the join WebSocket
-endpoint), `remote_client` (the remote sampler process), `cli` (``fleetrl sampler``).
+endpoint), `remote_client` (the remote sampler process), `cli` (``fleetrl sampler``),
+`errors` (the `PoolError` root).
 docs/guides/fleet.md is the guide.
 """
 
 from .actor import Inbox, run
 from .config import LocalSamplerConfig, PoolConfig
 from .core import PacedAttempt, PoolStatistics, SamplerPool
+from .errors import JoinRefused, PoolError, SamplerLost, UnknownSampler
 from .pacing import Admission, Pacer, PacingError
 from .registry import Registry, SamplerRecord
 from .routing import Bounds, SamplerView, cost_aware, least_loaded
 
-__all__ = ["Admission", "Bounds", "Inbox", "LocalSamplerConfig", "PacedAttempt", "Pacer", "PacingError",
-           "PoolConfig", "PoolStatistics", "Registry", "SamplerPool", "SamplerRecord", "SamplerView",
-           "cost_aware", "least_loaded", "run"]
+__all__ = [
+    "Admission", "Bounds", "Inbox", "JoinRefused", "LocalSamplerConfig", "PacedAttempt", "Pacer",
+    "PacingError", "PoolConfig", "PoolError", "PoolStatistics", "Registry", "SamplerLost",
+    "SamplerPool", "SamplerRecord", "SamplerView", "UnknownSampler", "cost_aware", "least_loaded",
+    "run",
+]

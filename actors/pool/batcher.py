@@ -30,12 +30,10 @@ from fleetrl.actors.samplers.base import SamplerBackend, stamp
 from fleetrl.actors.samplers.batching import batch_key, take_batch
 from fleetrl.actors.samplers.errors import BadGenerateRequest, NumericalFailure
 from fleetrl.daemon import messages as m
+from .errors import SamplerLost
 
 __all__ = ["BatchStatistics", "Batcher", "SamplerLost", "decode_batch", "run_generate"]
 
-
-class SamplerLost(Exception):
-    """The sampler is gone or broken; the request it held must be routed elsewhere."""
 
 
 def _too_old(backend: SamplerBackend, identity: m.SamplerIdentity,

@@ -45,7 +45,8 @@ import trio
 
 from fleetrl.daemon import messages as m
 
-from .local import LocalSampler, SamplerHandle, SamplerLost
+from .errors import SamplerLost
+from .local import LocalSampler, SamplerHandle
 from .pacing import Admission, Pacer
 from .registry import Registry
 from .routing import AffinityTable, Bounds, policy_named, prompt_key, with_affinity

@@ -21,7 +21,8 @@ from fleetrl.actors.samplers.base import SamplerBackend, WeightVersion, served_i
 from fleetrl.actors.weights.follower import AsyncBlobSource, BlobSource, Follower
 from fleetrl.daemon import messages as m
 
-from .batcher import Batcher, BatchStatistics, SamplerLost
+from .batcher import Batcher, BatchStatistics
+from .errors import SamplerLost
 
 __all__ = ["AsyncStoreSource", "LocalSampler", "SamplerHandle", "SamplerLost", "WeightSync"]
 

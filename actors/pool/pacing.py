@@ -26,12 +26,10 @@ from collections import OrderedDict
 from typing import Any
 
 import msgspec
+from .errors import PacingError
 
 __all__ = ["Admission", "Pacer", "PacingError"]
 
-
-class PacingError(ValueError):
-    """Misuse of the pacer: unknown or duplicate attempt ids, bad versions."""
 
 
 class Admission(msgspec.Struct, frozen=True):

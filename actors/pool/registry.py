@@ -24,12 +24,10 @@ from dataclasses import dataclass, field
 from fleetrl.daemon.messages import SamplerIdentity
 
 from .routing import SamplerView
+from .errors import UnknownSampler
 
 __all__ = ["Registry", "SamplerRecord", "UnknownSampler"]
 
-
-class UnknownSampler(KeyError):
-    """No sampler of that id is registered."""
 
 
 @dataclass

@@ -32,8 +32,9 @@ from fleetrl.daemon import messages as m
 from fleetrl.daemon.errors import BadMessage
 from fleetrl.daemon.protocol import DTypeName, Rejected
 
-from .batcher import Batcher, SamplerLost
+from .batcher import Batcher
 from .local import WeightSync
+from .errors import JoinRefused, PoolError, SamplerLost
 
 __all__ = ["JoinRefused", "RemoteClientConfig", "build_backend", "connect", "run_remote", "serve_once"]
 
@@ -75,9 +76,6 @@ async def connect(url: str, *, connect_timeout_s: float = 30.0) -> AsyncIterator
     if body_error is not None:
         raise body_error
 
-
-class JoinRefused(Exception):
-    """The daemon refused to let this sampler join (the reason is the message)."""
 
 
 class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -159,7 +157,7 @@ async def run_remote(cfg: RemoteClientConfig, backend: Any, *, log: Any = None,
                 await client.aclose()
 
 
-class _Lost(Exception):
+class _Lost(PoolError):
     """The daemon went silent."""
 
 

@@ -43,7 +43,7 @@ from fleetrl.daemon.protocol import PROTOCOL_VERSION, Rejected
 
 from .auth import token_matches
 from .core import SamplerPool
-from .local import SamplerLost
+from .errors import SamplerLost
 
 __all__ = ["CLOSE_POLICY", "RemoteSampler", "fleet_app"]
 
