@@ -9,7 +9,7 @@ re-tokenised answer can differ from the ids the model produced. `FakeSandbox` ke
 files in a dict and answers commands through a handler. `serving` serves an ASGI app
 on 127.0.0.1; `TorchClient` is a model client over the real torch sampler backend.
 
-Test folders that use it put ``tests/common`` on ``sys.path`` in their conftest.
+tests/conftest.py puts ``tests/common`` on ``sys.path`` for every folder.
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from fleetrl.daemon.messages import Generation, SamplerIdentity, SamplingParams, SupportCSR
+from fleetrl.daemon.messages import (
+    Generation,
+    SamplerIdentity,
+    SamplingParams,
+    SupportCSR,
+)
 from fleetrl.daemon.protocol import Tensor
 from fleetrl.harness.model import ModelUnavailable
 from fleetrl.sandboxes import ExecResult

@@ -1,10 +1,9 @@
-"""Shared fixtures of the daemon tests."""
+"""Shared fixtures of the daemon tests (`fleetrl_bin` and `actors_module` come from
+tests/conftest.py)."""
 
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,14 +13,9 @@ REPO = HERE.parent.parent
 
 
 @pytest.fixture
-def test_actors(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """Makes ``daemon_test_actors`` importable by factory path; clears its record."""
-    monkeypatch.syspath_prepend(str(HERE))
-    import daemon_test_actors
-
-    daemon_test_actors.PROGRESS.clear()
-    yield daemon_test_actors
-    daemon_test_actors.PROGRESS.clear()
+def test_actors(actors_module) -> object:
+    """``daemon_test_actors``, importable by factory path, its record emptied."""
+    return actors_module("daemon_test_actors", "PROGRESS")
 
 
 @pytest.fixture
@@ -31,11 +25,3 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")]))
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-@pytest.fixture
-def fleetrl_bin() -> str:
-    """The `fleetrl` console script of this interpreter's environment."""
-    path = Path(sys.executable).parent / "fleetrl"
-    assert path.exists(), f"{path} missing: is the package installed in this venv?"
-    return str(path)

@@ -4,19 +4,17 @@ run producers first (reverse ``after`` order). Autojump clock, in-process superv
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
 import pytest
 import trio
+from helpers import supervisor_for
 
 from fleetrl.daemon.checkpoint import CheckpointStore
-from fleetrl.daemon.config import load_config_text
 from fleetrl.daemon.faults import ExitCode
 from fleetrl.daemon.state import StateDir
-from fleetrl.daemon.supervisor import Supervisor, run_inline
+from fleetrl.daemon.supervisor import Supervisor
 
 HERE = Path(__file__).resolve().parent
 
@@ -32,19 +30,12 @@ jitter = 0.0
 
 
 @pytest.fixture
-def actors(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    monkeypatch.syspath_prepend(str(HERE))
-    import request_test_actors
-
-    request_test_actors.LOG.clear()
-    yield request_test_actors
-    request_test_actors.LOG.clear()
+def actors(actors_module) -> object:
+    return actors_module("request_test_actors", "LOG")
 
 
 def make(tmp_path: Path, text: str) -> tuple[Supervisor, StateDir]:
-    cfg = load_config_text(BASE + text, source="test.toml")
-    state = StateDir(tmp_path / "state").open()
-    return Supervisor(cfg, state, rng=random.Random(0), run_blocking=run_inline), state
+    return supervisor_for(tmp_path, BASE + text, inline=True)
 
 
 async def test_request_shutdown_drains_writes_final_checkpoint_and_exits_ok(tmp_path, actors, autojump_clock):

@@ -3,17 +3,16 @@ statistics in /status and /metrics, drain by channel closing, restarts. Autojump
 
 from __future__ import annotations
 
-import random
 from functools import partial
 
 import pytest
 import trio
+from helpers import supervisor_for
 
-from fleetrl.daemon.config import load_config_text
 from fleetrl.daemon.faults import ExitCode
 from fleetrl.daemon.handles import HandleTable, numeric_fields, statistics_of
 from fleetrl.daemon.state import StateDir
-from fleetrl.daemon.supervisor import Supervisor, run_inline
+from fleetrl.daemon.supervisor import Supervisor
 
 BASE = """
 [daemon]
@@ -30,19 +29,12 @@ period_s = 60.0
 
 
 @pytest.fixture
-def actors(monkeypatch, request):
-    monkeypatch.syspath_prepend(str(request.path.parent))
-    import handle_test_actors
-
-    handle_test_actors.EVENTS.clear()
-    yield handle_test_actors
-    handle_test_actors.EVENTS.clear()
+def actors(actors_module):
+    return actors_module("handle_test_actors", "EVENTS")
 
 
 def make(tmp_path, text: str) -> tuple[Supervisor, StateDir]:
-    cfg = load_config_text(BASE + text, source="test.toml")
-    state = StateDir(tmp_path / "state").open()
-    return Supervisor(cfg, state, rng=random.Random(0), run_blocking=run_inline), state
+    return supervisor_for(tmp_path, BASE + text, inline=True)
 
 
 SERVER_CLIENT = """

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import read_jsonl, wait_until
 
 from fleetrl.daemon.checkpoint import CheckpointStore
 
@@ -50,27 +51,10 @@ class Daemon:
         return self
 
     def logs(self) -> list[dict]:
-        path = self.state / "logs" / "daemon.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line being written right now
-                pass
-        return out
+        return read_jsonl(self.state / "logs" / "daemon.jsonl")
 
     def wait_for(self, pred, what: str, timeout: float = 180.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = pred()
-            if got:
-                return got
-            assert self.proc is None or self.proc.poll() is None, \
-                f"daemon exited ({self.proc.returncode}) waiting for {what}: {self.err()}"
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}; stderr: {self.err()}")
+        return wait_until(pred, what, timeout, proc=self.proc, stderr=Path(self.stderr.name), interval=0.05)
 
     def wait_log(self, event: str, timeout: float = 180.0, **fields) -> dict:
         def find():

@@ -3,7 +3,6 @@ pause, checkpoint hooks. Timing runs on Trio's autojump clock."""
 
 from __future__ import annotations
 
-import random
 from functools import partial
 from pathlib import Path
 
@@ -12,9 +11,9 @@ import pytest
 import structlog
 import trio
 import trio.testing
+from helpers import supervisor_for
 
 from fleetrl.daemon.checkpoint import CheckpointStore
-from fleetrl.daemon.config import load_config_text
 from fleetrl.daemon.faults import ExitCode
 from fleetrl.daemon.state import StateDir
 from fleetrl.daemon.supervisor import Supervisor, run_inline
@@ -36,9 +35,7 @@ period_s = 60.0
 
 
 def make(tmp_path: Path, actors: str, base: str = BASE) -> tuple[Supervisor, StateDir]:
-    cfg = load_config_text(base + actors, source="test.toml")
-    state = StateDir(tmp_path / "state").open()
-    return Supervisor(cfg, state, rng=random.Random(0), run_blocking=run_inline), state
+    return supervisor_for(tmp_path, base + actors, inline=True)
 
 
 async def test_crashing_actor_is_restarted_with_exponential_backoff(

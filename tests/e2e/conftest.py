@@ -1,18 +1,17 @@
 """Shared fixtures of the end-to-end tests: a warm-model cache kept between sessions
-(building the warm model costs minutes of CPU), the fleetrl binary, process helpers."""
+(building the warm model costs minutes of CPU) and daemon subprocesses (the `fleetrl`
+binary, JSON lines and waiting come from tests/conftest.py and tests/common)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 from fleetrl.sandboxes import state_hash
 
@@ -27,13 +26,6 @@ def warm_cache() -> Path:
     return path
 
 
-@pytest.fixture
-def fleetrl_bin() -> str:
-    path = Path(sys.executable).parent / "fleetrl"
-    assert path.exists(), f"{path} missing: is the package installed in this venv?"
-    return str(path)
-
-
 class Daemon:
     """One `fleetrl serve` subprocess (stdout/stderr to files under the test's dir)."""
 
@@ -44,15 +36,7 @@ class Daemon:
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=self._err)
 
     def wait_for(self, pred: Callable[[], bool], what: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if pred():
-                return
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited ({self.proc.returncode}) waiting for {what}: "
-                                     f"{self.err_path.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.5)
-        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        wait_until(pred, what, timeout, proc=self.proc, stderr=self.err_path)
 
     def wait_exit(self, timeout: float) -> int:
         try:
@@ -91,19 +75,6 @@ def daemons() -> Iterator[Callable[..., Daemon]]:
     yield start
     for d in started:
         d.close()
-
-
-def jsonl(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` (a line cut by a kill is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def containers_of(state_dir: Path) -> list[str]:

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from helpers import read_jsonl
 
-from .conftest import containers_of, jsonl
+from .conftest import containers_of
 from .tiny_config import derive
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -89,12 +90,12 @@ def test_tiny_run_improves_held_out_rewards(tmp_path, warm_cache, fleetrl_bin, d
     wall = time.monotonic() - t0
     assert code == 0, d.err_path.read_text(errors="replace")[-3000:]
 
-    steps = [x for x in jsonl(state / "actors" / "trainer" / "metrics.jsonl") if not x["skipped"]]
+    steps = [x for x in read_jsonl(state / "actors" / "trainer" / "metrics.jsonl") if not x["skipped"]]
     assert steps[-1]["step"] == STEPS
     # the mixed fleet generated the trained tokens
     kinds = set().union(*(x["mismatch_kl_by_sampler"] for x in steps))
     assert {"torch/float32", "torch/bfloat16", "torch/float8_e4m3fn"} <= kinds, kinds
-    evals = jsonl(state / "actors" / "evaluator" / "eval.jsonl")
+    evals = read_jsonl(state / "actors" / "evaluator" / "eval.jsonl")
     fresh = [e for e in evals if e["split"] == "fresh"]
     assert all(e["split"] == "fresh" for e in evals)
     start, end = fresh[0], fresh[-1]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import read_jsonl
 
 from fleetrl.actors.envworker import CursorState, group_id_of
 from fleetrl.actors.trainer import checkpoint as ck
@@ -21,7 +22,7 @@ from fleetrl.actors.weights import LocalDirStore, StoreSource
 from fleetrl.daemon.checkpoint import CheckpointStore
 from fleetrl.harness.synthetic import make_task
 
-from .conftest import containers_of, jsonl
+from .conftest import containers_of
 from .tiny_config import derive
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -43,7 +44,7 @@ def _config(state: Path, cache: Path) -> str:
 
 def _emitted(log_path: Path) -> dict[str, list[float]]:
     """group id -> rewards, from the environment worker's `group emitted` log lines."""
-    return {e["group"]: e["rewards"] for e in jsonl(log_path) if e.get("event") == "group emitted"}
+    return {e["group"]: e["rewards"] for e in read_jsonl(log_path) if e.get("event") == "group emitted"}
 
 
 def test_sigkill_during_training_resumes_exactly_once_without_leaks(tmp_path, warm_cache, fleetrl_bin, daemons):
@@ -52,7 +53,7 @@ def test_sigkill_during_training_resumes_exactly_once_without_leaks(tmp_path, wa
     cfg.write_text(_config(state, warm_cache))
     argv = [fleetrl_bin, "serve", "--config", str(cfg), "--state-dir", str(state)]
     metrics = state / "actors" / "trainer" / "metrics.jsonl"
-    steps = lambda: [x for x in jsonl(metrics) if not x["skipped"]]  # noqa: E731
+    steps = lambda: [x for x in read_jsonl(metrics) if not x["skipped"]]  # noqa: E731
 
     first = daemons(argv, tmp_path, "first")
     first.wait_for(lambda: len(steps()) >= 2, "two train steps", timeout=1800)

@@ -1,55 +1,26 @@
-"""Fixtures of the endpoint-actor tests: a small tiny-llama with its byte tokenizer, a
-Docker engine, and the in-process Supervisor with its http control plane on 127.0.0.1."""
+"""Fixtures of the endpoint-actor tests: the scripted test actors, a tiny model with a
+4,096-token context, and the in-process Supervisor with its http control plane on
+127.0.0.1 (the tiny model, the Docker engine and the image come from tests/conftest.py)."""
 
 from __future__ import annotations
 
-import random
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 
-import docker
 import pytest
+from helpers import supervisor_for
 
 from fleetrl.actors.model import TinyLlamaSpec, create_tiny_llama, save_byte_tokenizer
-from fleetrl.daemon.config import load_config_text
 from fleetrl.daemon.state import StateDir
 from fleetrl.daemon.supervisor import Supervisor
-from fleetrl.sandboxes import DEFAULT_IMAGE, ensure_image
 
 HERE = Path(__file__).resolve().parent
 
-SPEC = TinyLlamaSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                     max_position_embeddings=1024, initializer_range=0.1)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    d = create_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", SPEC, seed=7)
-    save_byte_tokenizer(d, model_max_length=1024)
-    return d
-
-
-@pytest.fixture(scope="session")
-def image() -> str:
-    client = docker.from_env()
-    try:
-        client.ping()
-    except docker.errors.DockerException as e:
-        pytest.fail(f"Docker engine not reachable ({e}); run scripts/setup.sh (make test does)")
-    ensure_image(DEFAULT_IMAGE, client=client)
-    return DEFAULT_IMAGE
-
 
 @pytest.fixture
-def test_actors(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """Makes ``endpoint_test_actors`` importable by factory path; clears its record."""
-    monkeypatch.syspath_prepend(str(HERE))
-    import endpoint_test_actors
-
-    endpoint_test_actors.RECEIVED.clear()
-    yield endpoint_test_actors
-    endpoint_test_actors.RECEIVED.clear()
+def test_actors(actors_module) -> object:
+    """``endpoint_test_actors``, importable by factory path, its record emptied."""
+    return actors_module("endpoint_test_actors", "RECEIVED")
 
 
 BASE = """
@@ -78,9 +49,7 @@ default_max_tokens = 16
 
 
 def make_daemon(tmp_path: Path, actors: str) -> tuple[Supervisor, StateDir]:
-    cfg = load_config_text(BASE + actors, source="test.toml")
-    state = StateDir(tmp_path / f"state-{secrets.token_hex(2)}").open()
-    return Supervisor(cfg, state, rng=random.Random(0)), state
+    return supervisor_for(tmp_path, BASE + actors, state=f"state-{secrets.token_hex(2)}")
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ abandons what is still running and keeps its task due; no container is left behi
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 from functools import partial
 from pathlib import Path
@@ -21,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 import trio
+from helpers import supervisor_for
 
 from fleetrl.actors.envworker import CursorState, group_id_of
 from fleetrl.actors.model import BOS_ID, load_tiny_llama
 from fleetrl.daemon.checkpoint import CheckpointStore
-from fleetrl.daemon.config import load_config_text
 from fleetrl.daemon.messages import ROLLOUTS, RolloutFailed, RolloutGroup
 from fleetrl.daemon.state import StateDir
 from fleetrl.daemon.supervisor import Supervisor
@@ -44,9 +43,7 @@ enabled = false
 
 
 def make(tmp_path: Path, actors: str) -> tuple[Supervisor, StateDir]:
-    cfg = load_config_text(BASE + actors, source="test.toml")
-    state = StateDir(tmp_path / "state").open()
-    return Supervisor(cfg, state, rng=random.Random(0)), state
+    return supervisor_for(tmp_path, BASE + actors)
 
 
 def containers_of(state_dir: Path) -> list[str]:

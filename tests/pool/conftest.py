@@ -9,10 +9,14 @@ from functools import partial
 
 import numpy as np
 import pytest
-import torch
 import trio
 
-from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, save_tiny_llama
+from fleetrl.actors.model import (
+    BOS_ID,
+    TinyLlamaSpec,
+    build_tiny_llama,
+    save_tiny_llama,
+)
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.protocol import Tensor
 
@@ -24,13 +28,6 @@ SPEC = TinyLlamaSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, 
 def model_dir(tmp_path_factory):
     return save_tiny_llama(build_tiny_llama(SPEC, seed=5), tmp_path_factory.mktemp("pool-model") / "tiny")
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def request(i: int, *, max_tokens: int = 6, min_version: int = 0, prompt=None) -> m.GenerateRequest:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from fleetrl.actors.model import TinyLlamaSpec
@@ -20,14 +18,3 @@ MICRO_SPEC = TinyLlamaSpec(
 def micro_recipe() -> WarmRecipe:
     return WarmRecipe(model=MICRO_SPEC, init_seed=1, warmup=WarmupConfig(steps=3, batch_size=2, warmup_steps=1))
 
-
-@pytest.fixture(autouse=True, scope="session")
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids the
-    oversubscription that makes small ops many times slower; restored afterwards."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -5,9 +5,14 @@ plays the trainer."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, load_tiny_llama, save_tiny_llama
+from fleetrl.actors.model import (
+    BOS_ID,
+    TinyLlamaSpec,
+    build_tiny_llama,
+    load_tiny_llama,
+    save_tiny_llama,
+)
 
 SPEC = TinyLlamaSpec(
     hidden_size=64,
@@ -50,12 +55,3 @@ def fp32_backend(model_dir):
 
     return TorchBackend(TorchBackendConfig(model_dir=str(model_dir)))
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny matmuls gain nothing from intra-op threads, and on a shared, busy machine the
-    thread pool's spin-waiting makes them ~20x slower; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -1,6 +1,7 @@
-"""Fixtures for the sandbox tests: a real Docker engine, the real image, a fresh
-ownership per test, and a leak check: every test must leave no container of its own
-behind (the fixture removes leftovers and then fails the test)."""
+"""Fixtures for the sandbox tests (the Docker client and the real image come from
+tests/conftest.py): an engine, a fresh ownership per test, and a leak check: every test
+must leave no container of its own behind (the fixture removes leftovers and then fails
+the test)."""
 
 from __future__ import annotations
 
@@ -8,30 +9,12 @@ import secrets
 import subprocess
 import sys
 
-import docker
 import pytest
 
-from fleetrl.sandboxes import DEFAULT_IMAGE, Engine, Ownership, ensure_image
+from fleetrl.sandboxes import Engine, Ownership
 from fleetrl.sandboxes.sweep import LABEL_OWNER
 
 PY = sys.executable
-
-
-@pytest.fixture(scope="session")
-def docker_client():
-    client = docker.from_env(max_pool_size=64)
-    try:
-        client.ping()
-    except docker.errors.DockerException as e:  # make test starts the engine; say so plainly
-        pytest.fail(f"Docker engine not reachable ({e}); run scripts/setup.sh (make test does)")
-    return client
-
-
-@pytest.fixture(scope="session")
-def image(docker_client) -> str:
-    """The sandbox base image (built once by `fleetrl sandbox build-image`; cached)."""
-    ensure_image(DEFAULT_IMAGE, client=docker_client)
-    return DEFAULT_IMAGE
 
 
 @pytest.fixture

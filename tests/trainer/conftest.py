@@ -3,12 +3,11 @@ factory of RolloutGroups (hand-built, or sampled by the real torch backend)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, create_tiny_llama
 from fleetrl.daemon import messages as m
@@ -23,26 +22,10 @@ IDENT = m.SamplerIdentity(sampler_id="s0", backend="torch", device_kind="cpu", d
 
 
 @pytest.fixture
-def feed(monkeypatch: pytest.MonkeyPatch):
+def feed(actors_module):
     """The scripted actors of trainer_test_actors.py, importable by the daemon, their
     feed and catch emptied before and after the test."""
-    monkeypatch.syspath_prepend(str(HERE))
-    import trainer_test_actors
-
-    trainer_test_actors.FEED.clear()
-    trainer_test_actors.GOT.clear()
-    yield trainer_test_actors
-    trainer_test_actors.FEED.clear()
-    trainer_test_actors.GOT.clear()
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """The machine is shared: one torch thread per test, restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    return actors_module("trainer_test_actors", "FEED", "GOT")
 
 
 @pytest.fixture(scope="session")

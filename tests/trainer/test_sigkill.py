@@ -3,15 +3,14 @@ last checkpoint, versions continue, and every group is trained exactly once."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
+from helpers import read_jsonl, wait_until
 
 from fleetrl.actors.model import BOS_ID
 from fleetrl.actors.trainer import checkpoint as ck
@@ -42,28 +41,6 @@ config = {{path = "{feed}", interval_s = 0.3}}
 """
 
 
-def _lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line cut by the kill
-            pass
-    return out
-
-
-def _wait(proc: subprocess.Popen, pred, what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        assert proc.poll() is None, f"daemon exited ({proc.returncode}) waiting for {what}"
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_sigkill_then_restart_trains_every_group_exactly_once(model_dir, groups, tmp_path):
     n = 4
     gs = [groups.sampled(model_dir, f"k{i}", [BOS_ID, *b"y="], [0.0, 1.0], seed=60 + i) for i in range(n)]
@@ -79,16 +56,17 @@ def test_sigkill_then_restart_trains_every_group_exactly_once(model_dir, groups,
 
     first = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait(first, lambda: len(_lines(metrics)) >= 2, "two train steps")
+        wait_until(lambda: len(read_jsonl(metrics)) >= 2, "two train steps", 90.0, proc=first, interval=0.05)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)
-    killed_at = len(_lines(metrics))
+    killed_at = len(read_jsonl(metrics))
     assert killed_at < n  # the kill really interrupted training
 
     second = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait(second, lambda: any(x["step"] == n for x in _lines(metrics)), f"step {n}")
+        wait_until(lambda: any(x["step"] == n for x in read_jsonl(metrics)), f"step {n}", 90.0,
+                   proc=second, interval=0.05)
         second.send_signal(signal.SIGTERM)
         assert second.wait(60) == 0
     finally:
@@ -103,7 +81,7 @@ def test_sigkill_then_restart_trains_every_group_exactly_once(model_dir, groups,
     assert tc.buffer.counters.trained == n and tc.step == n and tc.buffer.queued == ()
     assert tc.buffer.counters.duplicate >= 1  # the feeder re-sent what was already trained
     # versions never repeat or go back across the kill
-    versions = [x["version"] for x in _lines(metrics)]
+    versions = [x["version"] for x in read_jsonl(metrics)]
     assert versions == sorted(set(versions))
     # and the published stream is followable to its digest
     source = StoreSource(LocalDirStore(state / "actors" / "trainer" / "weights"))

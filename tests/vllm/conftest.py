@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, load_tiny_llama, save_tiny_llama
+from fleetrl.actors.model import (
+    BOS_ID,
+    TinyLlamaSpec,
+    build_tiny_llama,
+    load_tiny_llama,
+    save_tiny_llama,
+)
 from fleetrl.daemon.protocol import Tensor
 
 SPEC = TinyLlamaSpec(
@@ -53,15 +59,6 @@ def reference(model_dir):
     """transformers LlamaForCausalLM in fp32 on the saved weights."""
     return load_tiny_llama(model_dir)
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The reference forwards are tiny; one intra-op thread avoids spin-waiting on a busy
-    machine. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def reference_logits(model: torch.nn.Module, prompt: list[int], tokens: Tensor) -> torch.Tensor:

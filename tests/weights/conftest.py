@@ -37,11 +37,3 @@ def make_trainer():
     """A factory: ``make_trainer(lr=...)`` -> a fresh TinyTrainer on SHAPES."""
     return lambda lr=1e-5, seed=0: TinyTrainer(SHAPES, lr=lr, seed=seed)
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny tensors: intra-op threads only contend with the other processes on the box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
