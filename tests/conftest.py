@@ -1,7 +1,9 @@
-"""Fixtures every test folder shares: the Docker engine and the sandbox image, the tiny
-model, the byte tokenizer, the `fleetrl` console script, one torch thread, and importing
-the scripted test actors that sit beside a test. Plain helpers (JSON lines, waiting,
-an in-process supervisor) and the fakes live in tests/common, put on ``sys.path`` here."""
+"""Fixtures every test folder shares: the Docker engine, the sandbox image and a
+per-test sandbox ownership with its leak check, the tiny model, the byte tokenizer, the
+`fleetrl` console script, one torch thread, and importing the scripted test actors that
+sit beside a test. Plain helpers (JSON lines, waiting, an in-process supervisor, the
+sampler tests' tiny spec and prompts) and the fakes live in tests/common, put on
+``sys.path`` here."""
 
 from __future__ import annotations
 
@@ -59,6 +61,32 @@ def image(docker_client) -> str:
 
     ensure_image(DEFAULT_IMAGE, client=docker_client)
     return DEFAULT_IMAGE
+
+
+@pytest.fixture
+def state_dir(tmp_path) -> Path:
+    """A fresh state directory for the test."""
+    d = tmp_path / "state"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def ownership(state_dir, docker_client, image):
+    """A fresh sandbox ownership (its own owner label) over `state_dir`, with a leak check:
+    a test must leave no container of its own behind (leftovers are removed, then the test
+    fails)."""
+    import secrets
+
+    from fleetrl.sandboxes import Ownership
+    from fleetrl.sandboxes.sweep import LABEL_OWNER
+
+    own = Ownership.for_state_dir(state_dir, owner=f"test-{secrets.token_hex(4)}", run="test-run")
+    yield own
+    left = docker_client.containers.list(all=True, filters={"label": f"{LABEL_OWNER}={own.owner}"})
+    for c in left:
+        c.remove(force=True)
+    assert not left, f"containers left behind: {[c.short_id for c in left]}"
 
 
 @pytest.fixture(scope="session")

