@@ -5,10 +5,8 @@ See `admission` for the policy and docs/reference/trainer.md for how the trainer
 
 from .admission import (
     Admitted,
-    BadGroup,
     BufferConfig,
     BufferCounters,
-    BufferFull,
     BufferState,
     Duplicate,
     Outcome,
@@ -17,6 +15,7 @@ from .admission import (
     ZeroVariance,
     staleness_of,
 )
+from .errors import BadGroup, BufferFull, RolloutBufferError
 
 __all__ = [
     "Admitted",
@@ -28,6 +27,7 @@ __all__ = [
     "Duplicate",
     "Outcome",
     "RolloutBuffer",
+    "RolloutBufferError",
     "StaleGroup",
     "ZeroVariance",
     "staleness_of",

@@ -41,10 +41,8 @@ from .errors import BadGroup, BufferFull
 
 __all__ = [
     "Admitted",
-    "BadGroup",
     "BufferConfig",
     "BufferCounters",
-    "BufferFull",
     "BufferState",
     "Duplicate",
     "Outcome",

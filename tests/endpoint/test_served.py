@@ -56,6 +56,7 @@ async def test_openai_client_gets_answers_from_the_daemon_and_bad_keys_get_401(t
                 status_no_token = await client.get("/status")
                 models = await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
                 status = await client.get("/status", headers={"Authorization": f"Bearer {state.token}"})
+                metrics = await client.get("/metrics", headers={"Authorization": f"Bearer {state.token}"})
             record = handle.registry.close_attempt(key)
             with pytest.raises(openai.AuthenticationError) as closed:
                 await trio.to_thread.run_sync(partial(chat, handle.base_url, key, msgs))
@@ -66,6 +67,9 @@ async def test_openai_client_gets_answers_from_the_daemon_and_bad_keys_get_401(t
     assert status_no_token.status_code == 401  # only /v1 is open without the control token
     assert models.json()["data"][0]["id"] == "tiny"
     assert status.json()["mounts"] == ["/v1"] and status.json()["actors"]["endpoint"]["state"] == "running"
+    # the handle's statistics, live: one attempt was open when /status and /metrics were read
+    assert status.json()["actors"]["endpoint"]["statistics"] == {"open_attempts": 1}
+    assert 'fleetrl_actor_statistic{actor="endpoint",name="open_attempts"} 1.0' in metrics.text
     # recorded token-exactly: the second call extends the first (no re-tokenisation)
     c0, c1 = record.calls
     assert (record.attempt_id, record.task_id) == ("a1", "t1")
