@@ -49,6 +49,12 @@ class ModelClient(Protocol):
         ...
 
 
+# A client may also offer ``for_attempt(attempt_id) -> ModelClient``: a view whose
+# requests carry the attempt's id (the sampler pool's client does: its logs, prompt
+# affinity and pacing go by attempt). The endpoint and the environment worker use it
+# when it is there.
+
+
 class HFChatTokenizer:
     """A Hugging Face tokenizer as a `ChatTokenizer`.
 

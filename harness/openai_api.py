@@ -114,9 +114,12 @@ def create_app(
             chunks.append(chunk)
         return parse_body(b"".join(chunks))
 
-    async def generate(key: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(key: str, attempt_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        # a client that tags requests by attempt (the sampler pool's: its logs, prompt
+        # affinity and pacing go by attempt) answers through its view of this attempt
+        client = model.for_attempt(attempt_id) if hasattr(model, "for_attempt") else model
         try:
-            gen = await model.generate(prompt_ids, params)
+            gen = await client.generate(prompt_ids, params)
         except ModelUnavailable as err:
             raise ApiError(503, f"the model could not answer: {err}", type="server_error",
                            code="model_unavailable") from None
@@ -134,7 +137,7 @@ def create_app(
         c = req.common
         plan = recorder.plan_chat(req.messages)
         params = sampling_params(c, req.max_tokens, len(plan.ids), config, tok.eos_id, "messages")
-        gen = await generate(key, plan.ids, params)
+        gen = await generate(key, recorder.attempt_id, plan.ids, params)
         rec = recorder.record_chat(req.messages, plan, gen, stops=c.stops, ignored_params=req.ignored)
         if req.ignored:
             _log.warning("openai request parameters ignored", attempt_id=recorder.attempt_id, call=rec.index,
@@ -150,7 +153,7 @@ def create_app(
         req = completion_request(await read_json(request), config, tok)
         c = req.common
         params = sampling_params(c, req.max_tokens, len(req.prompt_ids), config, tok.eos_id, "prompt")
-        gen = await generate(key, req.prompt_ids, params)
+        gen = await generate(key, recorder.attempt_id, req.prompt_ids, params)
         rec = recorder.record_completion(req.prompt_ids, gen, stops=c.stops, ignored_params=c.ignored)
         if c.ignored:
             _log.warning("openai request parameters ignored", attempt_id=recorder.attempt_id, call=rec.index,

@@ -11,7 +11,9 @@ to ``http://127.0.0.1:PORT/v1`` (PORT from ``<state>/control.json``).
 It starts with an `EndpointHandle` (the registry to open and close attempts in, the
 base URL a harness is pointed at, the served model name): other actors of the same
 daemon reach it with ``await ctx.handle(name)``. The environment worker's external
-harness (``harness = "external"``, ``endpoint = NAME``) does.
+harness (``harness = "external"``, ``endpoint = NAME``) does, and paces its groups
+through the handle's model when that is the sampler pool (``model.kind = "pool"``,
+``pacing = true``): the same staleness admission as the built-in harness.
 
 The registry outlives a restart of the actor (the new incarnation takes it from
 ``ctx.previous_handle``), so attempts opened before a crash keep recording once the
@@ -57,6 +59,12 @@ class EndpointHandle:
     base_url: str
     """``http://HOST:PORT/v1`` of the control plane."""
     model_name: str
+    model: Any = None
+    """The model client answering the calls (`LocalModelClient` or `PoolModelClient`)."""
+    model_config: Any = None
+    """Its setting (`LocalModel` or `PoolModel`): a worker running an external harness
+    paces its groups through the pool's pacer when this is a `PoolModel` with
+    ``pacing = true``."""
 
     def statistics(self) -> EndpointStatistics:
         return EndpointStatistics(open_attempts=len(self.registry))
@@ -111,7 +119,8 @@ async def run(cfg: EndpointActorConfig, ctx: ActorContext, *,
     app = create_app(model, registry, cfg.endpoint_config())
     ctx.mount(PREFIX, _KeepFullPath(app, PREFIX), auth=False)
     ctx.log.info("openai endpoint serving", url=base_url, model=cfg.model_name)
-    task_status.started(EndpointHandle(registry=registry, base_url=base_url, model_name=cfg.model_name))
+    task_status.started(EndpointHandle(registry=registry, base_url=base_url, model_name=cfg.model_name,
+                                       model=model, model_config=cfg.model))
     async for msg in ctx.inbox:  # ends at shutdown once every holder of the handle has returned
         ctx.log.warning("message ignored", type=type(msg).__name__)
     ctx.log.info("openai endpoint stopped", open_attempts=len(registry))

@@ -118,8 +118,8 @@ class EnvWorkerConfig(_Strict):
 
     model: ModelConfig | None = None
     """Required, except with ``harness = "external"`` (the endpoint actor's model answers then)."""
-    target: str = "buffer"
-    """Actor that receives each `RolloutGroup`."""
+    target: str = "trainer"
+    """Actor that receives each `RolloutGroup` (the trainer, which holds the rollout buffer)."""
     failures_to: str | None = None
     """Actor that receives each `RolloutFailed` (default: ``target``)."""
     tasks: TaskSourceConfig = SyntheticTasks()

@@ -118,7 +118,8 @@ class _Worker:
     """One incarnation's worker; also the actor's handle (`statistics`)."""
 
     def __init__(self, cfg: EnvWorkerConfig, ctx: Any, *, harness: Harness, model: Any, pool: Any,
-                 out: Any, failures_out: Any, cursor: TaskCursor) -> None:
+                 out: Any, failures_out: Any, cursor: TaskCursor,
+                 paced_by: tuple[Any, PoolModel] | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.log = ctx.log
@@ -134,10 +135,11 @@ class _Worker:
         self.abandoning = False
         self.sandbox_use = "eager" if harness is None else sandbox_use_of(harness)
         self.runner = AttemptRunner(cfg, harness, pool, self.sandbox_use)
-        m = cfg.model
-        self.pacing = (GroupPacing(model.pool, group_size=cfg.group_size,
-                                   skips_zero_variance=m.trainer_skips_zero_variance, scopes=self.scopes)
-                       if isinstance(m, PoolModel) and m.pacing else None)
+        self.pacing = None
+        if paced_by is not None:  # the pool (handle) and its setting: actor.pacing_of
+            pacer_pool, setting = paced_by
+            self.pacing = GroupPacing(pacer_pool, group_size=cfg.group_size,
+                                      skips_zero_variance=setting.trainer_skips_zero_variance, scopes=self.scopes)
         b = cfg.score_batching
         self.score_batcher = (ScoreBatcher(pool, max_groups=b.max_groups, linger_s=b.linger_s, slots=b.slots,
                                            on_batch=self.metrics.score_batch)

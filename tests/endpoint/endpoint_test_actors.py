@@ -1,7 +1,7 @@
 """Actors the endpoint tests name by import path (``endpoint_test_actors:NAME``).
 
 ``RECEIVED`` is the sink's in-memory record, keyed by its config's ``tag``: a fake of
-whatever consumes rollouts (the buffer or the trainer)."""
+whatever consumes rollouts (the trainer)."""
 
 from __future__ import annotations
 

@@ -145,3 +145,12 @@ def test_the_guides_config_examples_load_and_match_the_mini_swe_agent_helpers():
     cmd = env.external_command()
     assert cmd.argv[1:] == mini_swe_agent_command(step_limit=20, max_tokens=1024)[1:]
     assert cmd.env == mini_swe_agent_env("/var/lib/fleetrl/mswea")
+    # every actor the examples name exists: in the examples themselves or in the embedded default
+    root = Path(__file__).parents[2]
+    known = set(tomllib.loads((root / "configs" / "tiny.toml").read_text())["actors"])
+    known |= {name for b in blocks for name in b["actors"]}
+    for b in blocks:
+        for name, actor in b["actors"].items():
+            named = [*actor.get("after", []), actor["config"].get("target", "trainer"),
+                     actor["config"].get("endpoint", "endpoint"), actor["config"].get("model", {}).get("pool", "pool")]
+            assert set(named) <= known, (name, sorted(set(named) - known))

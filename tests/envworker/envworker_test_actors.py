@@ -1,7 +1,7 @@
 """Actors and harnesses the envworker tests name by import path (``envworker_test_actors:NAME``).
 
 ``RECEIVED`` is the sink's in-memory record (keyed by its config's ``tag``): a fake of
-whatever consumes rollouts (the buffer or the trainer).
+whatever consumes rollouts (the trainer).
 """
 
 from __future__ import annotations

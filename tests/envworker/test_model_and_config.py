@@ -119,7 +119,7 @@ def test_config_errors_name_file_line_and_key(body, message):
 def test_config_defaults():
     cfg = load('model = {kind = "pool", tokenizer_dir = "t"}\nmax_concurrent_attempts = 6').actors[0].config
     assert isinstance(cfg, EnvWorkerConfig) and cfg.group_size == 4
-    assert cfg.groups_in_flight == 3 and cfg.target == "buffer"
+    assert cfg.groups_in_flight == 3 and cfg.target == "trainer"
 
 
 def test_load_harness_builds_structs_checks_config_and_names_the_path():

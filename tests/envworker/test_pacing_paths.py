@@ -9,13 +9,13 @@ admitted consecutively."""
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 
 import msgspec
 import pytest
 import structlog
 import trio
 
+from fleetrl.actors.envworker.actor import pacing_of
 from fleetrl.actors.envworker.config import EnvWorkerConfig
 from fleetrl.actors.envworker.cursor import TaskCursor
 from fleetrl.actors.envworker.sources import TaskSource
@@ -120,8 +120,10 @@ def make_worker(pool: SamplerPool, *, harness=None, delay=lambda a: 1.0, model=N
                               "max_concurrent_attempts": 12, "max_groups_in_flight": 4, **cfg}, EnvWorkerConfig)
     ctx = Ctx()
     send, recv = trio.open_memory_channel(1000)
-    w = _Worker(config, ctx, harness=harness or CompletionHarness(max_tokens=4), model=PacedModel(pool, delay),
-                pool=Pool(), out=send, failures_out=send, cursor=TaskCursor())
+    client = PacedModel(pool, delay)
+    w = _Worker(config, ctx, harness=harness or CompletionHarness(max_tokens=4), model=client,
+                pool=Pool(), out=send, failures_out=send, cursor=TaskCursor(),
+                paced_by=pacing_of(client, config.model))
     return w, ctx, recv
 
 

@@ -340,3 +340,42 @@ def test_the_documented_error_codes_are_the_ones_the_app_uses():
             used |= {v.value for v in node.values if isinstance(v, ast.Constant) and str(v.value).endswith(
                 ("not_found", "not_allowed"))}
     assert used == documented, used ^ documented
+
+
+class _PerAttempt:
+    """A client offering ``for_attempt``, as the sampler pool's does: records which
+    attempt each call came through."""
+
+    def __init__(self, inner: FakeModel, attempt_id: str = "", calls: list | None = None) -> None:
+        self.inner, self.attempt_id = inner, attempt_id
+        self.calls = [] if calls is None else calls
+
+    @property
+    def tokenizer(self):
+        return self.inner.tokenizer
+
+    def for_attempt(self, attempt_id: str) -> _PerAttempt:
+        return _PerAttempt(self.inner, attempt_id, self.calls)
+
+    async def generate(self, prompt_ids, params):
+        self.calls.append(self.attempt_id)
+        return await self.inner.generate(prompt_ids, params)
+
+
+async def test_each_call_goes_through_the_clients_view_of_its_attempt(tok):
+    """Chat and completion calls reach the model through ``for_attempt(attempt_id)`` of
+    the key they carry (the pool logs, routes and paces by attempt)."""
+    model = _PerAttempt(FakeModel(tok, seed=1))
+    registry = AttemptRegistry(tok)
+    app = create_app(model, registry, EndpointConfig())
+    k1, k2 = registry.open_attempt("g/0.1", "t"), registry.open_attempt("g/1.1", "t")
+    with trio.fail_after(30):
+        async with serving(app) as base:
+            def talk():
+                with client(base, k1) as c1, client(base, k2) as c2:
+                    c1.chat.completions.create(model="fleetrl", messages=[{"role": "user", "content": "a"}],
+                                               max_tokens=3)
+                    c2.completions.create(model="fleetrl", prompt="b", max_tokens=3)
+                    c1.completions.create(model="fleetrl", prompt="c", max_tokens=3)
+            await trio.to_thread.run_sync(talk)
+    assert model.calls == ["g/0.1", "g/1.1", "g/0.1"]
