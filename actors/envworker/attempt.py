@@ -157,6 +157,10 @@ class AttemptRunner:
                                      f"(task.limits.timeout_s={task.limits.timeout_s:g} + slack)")
         if not isinstance(episode, Episode):
             return Failed("harness_crash", f"harness returned a {type(episode).__name__}, not an Episode")
+        if getattr(episode, "timed_out", False):
+            # an external program stopped at its wall clock: a hung harness cannot be told
+            # from a slow one, and neither is the model's verdict (never a reward of 0)
+            return Failed("timeout", episode.error or "the harness was stopped at its limit")
         failure = episode_failure(episode.final_state, episode.error)
         if failure is not None:
             return Failed(*failure)

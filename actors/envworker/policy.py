@@ -13,8 +13,9 @@ An attempt ends in one of two ways:
     command failed, the container went away);
   - ``harness_crash``: the harness raised;
   - ``timeout``: the harness did not return within the attempt's wall clock
-    (``task.limits.timeout_s`` plus the configured slack), or the attempt was abandoned
-    at shutdown;
+    (``task.limits.timeout_s`` plus the configured slack), an external program was
+    stopped at its own limit (``ExternalEpisode.timed_out``), or the attempt was
+    abandoned at shutdown;
   - ``evaluator_error``: the evaluator's output could not be read
     (``EvaluatorOutputError``);
   - ``sampler_error``: the model could not answer (the harness's episode ended in

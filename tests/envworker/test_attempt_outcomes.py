@@ -140,3 +140,28 @@ async def test_hanging_harness_times_out_on_the_task_clock(autojump_clock):
         out = await w.attempt(task, TICKET)
     assert out.kind == "timeout" and "within 6 s" in out.detail
     assert trio.current_time() - t0 == pytest.approx(6.0)
+
+
+async def test_an_external_program_stopped_at_its_limit_is_a_timeout_not_a_reward():
+    """An external command killed at its wall clock (a hung harness) is a typed ``timeout``
+    failure even though the evaluator would have scored the sandbox (0 here)."""
+    from fleetrl.harness.external import ExternalEpisode
+    from fleetrl.harness.recording import AttemptRecord
+
+    class StoppedAtLimit:
+        async def run(self, task, sandbox, model):
+            return ExternalEpisode(task_id=task.id, turns=(), final_state="timeout", timed_out=True,
+                                   error="the command ran past its limit of 5 s and was killed",
+                                   record=AttemptRecord(attempt_id="x", task_id=task.id))
+
+    class ExitedByItself(StoppedAtLimit):
+        async def run(self, task, sandbox, model):
+            ep = await super().run(task, sandbox, model)
+            return msgspec.structs.replace(ep, final_state="submitted", timed_out=False, error=None, exit_code=0)
+
+    answers = {"check": Result(1, b'{"reward": 0.0}\n')}
+    with trio.fail_after(30):
+        stopped = await worker(StoppedAtLimit(), pool=MemoryPool(answers)).attempt(TASK, TICKET)
+        exited = await worker(ExitedByItself(), pool=MemoryPool(answers)).attempt(TASK, TICKET)
+    assert stopped == Failed("timeout", "the command ran past its limit of 5 s and was killed")
+    assert isinstance(exited, Trajectory) and exited.reward == 0.0  # the model's verdict: scored
