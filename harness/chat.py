@@ -39,6 +39,7 @@ from typing import Protocol, runtime_checkable
 import msgspec
 
 __all__ = [
+    "BREAK_CAUSES",
     "ChatMessage",
     "ChatTokenizer",
     "ChatHistory",
@@ -189,6 +190,16 @@ def cut_at_stop_strings(tok: ChatTokenizer, ids: Sequence[int], stops: Sequence[
 # --------------------------------------------------------------------------- history
 
 
+BREAK_CAUSES: tuple[str, ...] = ("answer_rewritten", "history_rewritten", "history_truncated",
+                                  "answer_not_reusable")
+"""Why a chat call after the first did not extend an earlier call token for token (a
+retokenisation break: the attempt continues in a new segment, trained with its own
+context): the harness changed the model's answer (``answer_rewritten``: reformatted,
+reasoning dropped), rewrote earlier history (``history_rewritten``), sent fewer messages
+(``history_truncated``: a context-window trim), or the answer was cut inside a token by
+a stop string (``answer_not_reusable``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PromptPlan:
     """How a call's prompt was built.
@@ -196,13 +207,16 @@ class PromptPlan:
     ``ids``: the prompt. ``extends``: the index of the earlier call whose ids it starts
     with (its prompt and answer, or its prompt alone for a repeat), else None.
     ``reused``: how many leading ids came from that call. ``reason``: why the prompt
-    was tokenised from scratch (None when it extends a call).
+    was tokenised from scratch (None when it extends a call). ``cause``: for a call
+    after the first that starts a new segment, the kind of break (one of
+    `BREAK_CAUSES`); None for the first call and for a call that extends one.
     """
 
     ids: list[int]
     extends: int | None
     reused: int
     reason: str | None
+    cause: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,20 +253,24 @@ class ChatHistory:
             n, context, call = best
             ids = context + render_tail(self.tokenizer, msgs[n:])
             return PromptPlan(ids, call, len(context), None)
-        return PromptPlan(render_chat(self.tokenizer, msgs), None, 0, self._why_not(msgs))
+        cause, reason = self._why_not(msgs)
+        return PromptPlan(render_chat(self.tokenizer, msgs), None, 0, reason, cause)
 
-    def _why_not(self, msgs: tuple[ChatMessage, ...]) -> str:
+    def _why_not(self, msgs: tuple[ChatMessage, ...]) -> tuple[str | None, str]:
+        """(cause, reason) of a prompt that extends no earlier call (see `BREAK_CAUSES`)."""
         if not self._known:
-            return "first call of the attempt"
+            return None, "first call of the attempt"
         k = self._known[-1]
         expected = [*k.prompt_messages, *([k.answer] if k.answer is not None else [])]
         for i, (got, want) in enumerate(zip(msgs, expected)):
             if got != want:
-                what = "the answer of" if i == len(k.prompt_messages) else "the conversation of"
-                return f"message {i} ({got.role}) differs from {what} call {k.call}"
+                if i == len(k.prompt_messages):
+                    return "answer_rewritten", f"message {i} ({got.role}) differs from the answer of call {k.call}"
+                return "history_rewritten", f"message {i} ({got.role}) differs from the conversation of call {k.call}"
         if len(msgs) < len(expected):
-            return f"the conversation is shorter than that of call {k.call} ({len(msgs)} < {len(expected)} messages)"
-        return f"call {k.call}'s answer cannot be reused (cut inside a token)"
+            return "history_truncated", (f"the conversation is shorter than that of call {k.call} "
+                                         f"({len(msgs)} < {len(expected)} messages)")
+        return "answer_not_reusable", f"call {k.call}'s answer cannot be reused (cut inside a token)"
 
     def add(
         self,

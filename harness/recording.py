@@ -53,6 +53,8 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True):
     extends: int | None = None
     reused_tokens: int = 0
     new_segment_reason: str | None = None
+    break_cause: str | None = None
+    """A chat call after the first that extends no earlier call: why (`chat.BREAK_CAUSES`)."""
     stop: str | None = None
     ignored_params: tuple[str, ...] = ()
     messages: tuple[ChatMessage, ...] = ()
@@ -76,6 +78,15 @@ class AttemptRecord(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def segments(self) -> tuple[TokenSegment, ...]:
         return tuple(c.segment for c in self.calls)
+
+    @property
+    def breaks(self) -> dict[str, int]:
+        """Retokenisation breaks of the attempt, by cause (`chat.BREAK_CAUSES`)."""
+        out: dict[str, int] = {}
+        for c in self.calls:
+            if c.break_cause is not None:
+                out[c.break_cause] = out.get(c.break_cause, 0) + 1
+        return out
 
     @property
     def n_new_segments(self) -> int:
@@ -177,6 +188,7 @@ class AttemptRecorder:
             extends=plan.extends,
             reused_tokens=plan.reused,
             new_segment_reason=plan.reason,
+            break_cause=plan.cause,
             stop=cut.stop,
             ignored_params=tuple(ignored_params),
             messages=tuple(messages),

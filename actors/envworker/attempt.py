@@ -78,6 +78,10 @@ class AttemptRunner:
                    "n_calls": float(len(record.calls)), "try": float(ticket.try_no)}
         if episode.harness_reward is not None:
             metrics["harness_reward"] = float(episode.harness_reward)
+        breaks = record.breaks  # each break starts a segment trained with its own context
+        metrics["retokenization_breaks"] = float(sum(breaks.values()))
+        for cause, n in breaks.items():
+            metrics[f"retokenization_breaks/{cause}"] = float(n)
         return record.trajectory(group_id=ticket.group_id, reward=reward, metrics=metrics)
 
     async def _attempt_eager(self, task: Task, model: Any, limits: Limits) -> tuple[Episode, float, int] | Failed:

@@ -109,6 +109,14 @@ class _Metrics:
         self._m.histogram("envworker_score_batch_groups", "Groups scored together in one lease and engine exec",
                           buckets=(1, 2, 4, 8, 16, 32, 64)).observe(groups)
 
+    def breaks(self, trajectory: Trajectory) -> None:
+        prefix = "retokenization_breaks/"
+        for key, n in trajectory.metrics.items():
+            if key.startswith(prefix) and n:
+                self._m.counter("envworker_retokenization_breaks_total",
+                                "Chat calls that did not extend the attempt's earlier calls token for token "
+                                "(each starts a new segment), by cause", {"cause": key[len(prefix):]}).inc(n)
+
     def reward(self, value: float) -> None:
         self._m.histogram("envworker_reward", "Rewards of scored attempts",
                           buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)).observe(value)
@@ -198,6 +206,7 @@ class _Worker:
                 tracker.scored(ticket, outcome)
                 self.metrics.attempt("scored")
                 self.metrics.reward(outcome.reward)
+                self.metrics.breaks(outcome)
                 return
             msg, ticket = tracker.failed(ticket, outcome.kind, outcome.detail)
             await self.report(msg, final=ticket is None)

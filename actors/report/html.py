@@ -56,6 +56,8 @@ def summary_rows(s: Summary) -> list[tuple[str, str]]:
         ("trainer busy time (steps + publishing)", f"{s.trainer_busy_s:.0f} s"),
         ("training wall-clock (what time_budget_s counts)", _fmt(s.training_s, ".0f", " s")),
         ("$ per rollout", "not priced" if s.usd_per_rollout is None else f"${s.usd_per_rollout:.6f}"),
+        ("retokenization breaks (trained, by cause)",
+         ", ".join(f"{cause} {n}" for cause, n in s.retokenization_breaks.items()) or "none"),
     ]
     return rows
 

@@ -19,7 +19,7 @@ from .records import EvalRow
 
 __all__ = [
     "BF16_BITS", "SPLITS", "Summary", "bound_ratio_band", "eval_series", "kl_series",
-    "last_eval", "first_eval", "staleness_total", "summarize", "window_mean",
+    "last_eval", "first_eval", "breaks_total", "staleness_total", "summarize", "window_mean",
 ]
 
 SPLITS = ("fresh", "general")
@@ -104,6 +104,15 @@ def staleness_total(steps: Sequence[StepMetrics]) -> dict[int, int]:
     return dict(sorted(total.items()))
 
 
+def breaks_total(steps: Sequence[StepMetrics]) -> dict[str, int]:
+    """Retokenisation breaks of the trained trajectories by cause, summed over every step."""
+    total: dict[str, int] = {}
+    for row in steps:
+        for cause, n in row.retokenization_breaks.items():
+            total[cause] = total.get(cause, 0) + n
+    return dict(sorted(total.items()))
+
+
 class Summary(msgspec.Struct, frozen=True, kw_only=True):
     """The report's summary table."""
 
@@ -129,6 +138,8 @@ class Summary(msgspec.Struct, frozen=True, kw_only=True):
     """Sampling cost of every logged step / their rollouts (None: no step had a cost)."""
     truncated: tuple[str, ...] = ()
     """Files whose cut-short last line was left out."""
+    retokenization_breaks: Mapping[str, int] = {}
+    """Breaks in the trained trajectories' token streams, by cause, summed over the steps."""
 
 
 def _usd(steps: Sequence[StepMetrics]) -> float | None:
@@ -157,4 +168,5 @@ def summarize(steps: Sequence[StepMetrics], evals: Sequence[EvalRow], *,
         training_s=max((r.elapsed_s for r in steps), default=0.0) or None,
         usd_per_rollout=_usd(steps),
         truncated=tuple(truncated),
+        retokenization_breaks=breaks_total(steps),
     )

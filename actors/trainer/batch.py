@@ -21,7 +21,7 @@ per (backend, dtype).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,6 +35,10 @@ from .config import AdvantageConfig
 from .errors import BadBatch
 
 __all__ = ["BadBatch", "Batch", "build_batch", "check_group", "sampler_key"]
+
+
+BREAKS_PREFIX = "retokenization_breaks/"
+"""Trajectory metrics ``retokenization_breaks/<cause>`` (set by the environment worker)."""
 
 
 def sampler_key(backend: str, dtype: str) -> str:
@@ -65,6 +69,9 @@ class Batch:
     sampler_keys: tuple[str, ...]
     rewards: torch.Tensor  # [n_trajectories] float32
     n_groups: int
+    retokenization_breaks: dict[str, int] = field(default_factory=dict)
+    """Breaks of the batch's trajectories by cause (the harness's token stream was not
+    extended; each segment is a row of its own, trained with its own context)."""
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with every tensor on ``device``."""
@@ -126,6 +133,7 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
     prompt_of: dict[bytes, int] = {}  # prompt ids (int64 bytes) -> index of the distinct prompt
     distinct: list[np.ndarray] = []
     prefix_index: list[int] = []
+    breaks: dict[str, int] = {}
     for gi, group in enumerate(groups):
         if not group.trajectories:
             raise BadBatch(f"group {group.group_id!r} of task {group.task_id!r} has no trajectories")
@@ -137,6 +145,10 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         for traj, a in zip(group.trajectories, adv):
             ti = len(rewards)
             rewards.append(float(traj.reward))
+            for key, n in traj.metrics.items():
+                if key.startswith(BREAKS_PREFIX) and n:
+                    cause = key[len(BREAKS_PREFIX):]
+                    breaks[cause] = breaks.get(cause, 0) + int(n)
             for si, seg in enumerate(traj.segments):
                 where = f"group {group.group_id!r}, attempt {traj.attempt_id!r}, segment {si}"
                 prompt = seg.prompt_ids.to_numpy().astype(np.int64)
@@ -211,4 +223,5 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         sampler_keys=tuple(keys),
         rewards=torch.tensor(rewards, dtype=torch.float32),
         n_groups=len(groups),
+        retokenization_breaks=breaks,
     )

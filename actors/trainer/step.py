@@ -62,6 +62,8 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     centering_norm: float = 0.0
     weight_mean: float = 0.0
     staleness_hist: dict[int, int] = {}
+    retokenization_breaks: dict[str, int] = {}
+    """Breaks in the trained trajectories' token streams, by cause (harness.chat.BREAK_CAUSES)."""
     """Groups of this batch by ``trainer version - oldest token version``."""
     step_s: float = 0.0
     elapsed_s: float = 0.0
@@ -143,6 +145,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
         reward_mean=float(rewards.mean()) if rewards.numel() else 0.0,
         pass_rate=float((rewards >= pass_threshold).double().mean()) if rewards.numel() else 0.0,
         staleness_hist=_staleness_hist(batch, trainer_version),
+        retokenization_breaks=dict(batch.retokenization_breaks),
     )
     if batch.n_tokens == 0 or not bool((batch.advantages != 0).any()):
         return StepMetrics(**base, step=step, skipped=True, skipped_reason="zero advantage",

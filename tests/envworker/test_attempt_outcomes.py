@@ -165,3 +165,36 @@ async def test_an_external_program_stopped_at_its_limit_is_a_timeout_not_a_rewar
         exited = await worker(ExitedByItself(), pool=MemoryPool(answers)).attempt(TASK, TICKET)
     assert stopped == Failed("timeout", "the command ran past its limit of 5 s and was killed")
     assert isinstance(exited, Trajectory) and exited.reward == 0.0  # the model's verdict: scored
+
+
+async def test_retokenization_breaks_are_counted_by_cause():
+    """A harness that rewrites the model's answer before its next call breaks the token
+    stream: the trajectory says how often and why, and the worker counts it in Prometheus."""
+    from fleetrl.harness.chat import ChatMessage
+    from fleetrl.harness.model import RecordedModel
+    from fleetrl.harness.protocol import Episode
+    from fleetrl.harness.recording import AttemptRecorder
+    from fleetrl.daemon.messages import SamplingParams
+
+    class RewritesItsHistory:
+        async def run(self, task, sandbox, model):
+            recorder = AttemptRecorder("x", task.id, model.tokenizer)
+            rm = RecordedModel(model, recorder)
+            q = [ChatMessage("user", "hello")]
+            await rm.chat(q, SamplingParams(max_tokens=3))
+            await rm.chat([*q, ChatMessage("assistant", "REWRITTEN"), ChatMessage("user", "go on")],
+                          SamplingParams(max_tokens=3))
+            return Episode(task_id=task.id, turns=(), final_state="submitted", record=recorder.finish())
+
+    w = worker(RewritesItsHistory(), pool=MemoryPool({"check": Result(0, b'{"reward": 1.0}\n')}))
+    with trio.fail_after(30):
+        out = await w.attempt(TASK, TICKET)
+    assert isinstance(out, Trajectory), out
+    assert out.metrics["retokenization_breaks"] == 1.0
+    assert out.metrics["retokenization_breaks/answer_rewritten"] == 1.0
+    assert len(out.segments) == 2  # each trained with its own context
+    w.metrics.breaks(out)
+    from prometheus_client.exposition import generate_latest
+
+    text = generate_latest(w.ctx.metrics.registry).decode()
+    assert 'fleetrl_envworker_retokenization_breaks_total{actor="env",cause="answer_rewritten"} 1.0' in text, text

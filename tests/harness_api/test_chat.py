@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from fakes import ASCII, FakeModel, PairTokenizer
 
 from fleetrl.daemon.messages import ROLLOUTS, SamplingParams
-from fleetrl.harness.chat import ChatMessage, cut_at_stop_strings, render_chat
+from fleetrl.harness.chat import BREAK_CAUSES, ChatMessage, cut_at_stop_strings, render_chat
 from fleetrl.harness.model import RecordedModel
 from fleetrl.harness.recording import AttemptRecorder, truncate_generation
 
@@ -120,6 +120,26 @@ async def test_a_call_that_does_not_extend_the_history_starts_a_new_segment(tok)
     c3 = await rm.chat(base, p)
     assert c3.extends == 0 and c3.prompt_ids == c0.prompt_ids and c3.reused_tokens == len(c0.prompt_ids)
     assert recorder.finish().n_new_segments == 3
+    # breaks are counted by cause; the first call and a call that extends are no break
+    assert [c.break_cause for c in (c0, c1, c2, c3)] == [None, "answer_rewritten", "history_rewritten", None]
+    assert recorder.finish().breaks == {"answer_rewritten": 1, "history_rewritten": 1}
+
+
+async def test_a_shorter_conversation_is_a_truncation_break(tok):
+    """Fewer messages than the previous call sent, and no repeat or extension of any
+    earlier call: a ``history_truncated`` break (a context-window trim)."""
+    model = FakeModel(tok, replies=["one", "two", "three"])
+    recorder = AttemptRecorder("a", "t", tok)
+    rm = RecordedModel(model, recorder)
+    p = SamplingParams(max_tokens=20)
+    system, hello = ChatMessage("system", "be brief"), ChatMessage("user", "hello")
+    await rm.chat([system, hello], p)
+    c1 = await rm.chat([system, hello, ChatMessage("assistant", "one"), ChatMessage("user", "go")], p)
+    assert c1.extends == 0 and c1.break_cause is None
+    trimmed = await rm.chat([system], p)
+    assert trimmed.extends is None and trimmed.break_cause == "history_truncated", trimmed.new_segment_reason
+    assert recorder.finish().breaks == {"history_truncated": 1}
+    assert set(recorder.finish().breaks) <= set(BREAK_CAUSES)
 
 
 def test_stop_strings_cut_text_and_tokens(tok):

@@ -8,6 +8,7 @@ import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
+import msgspec
 import pytest
 from PIL import Image
 
@@ -61,6 +62,9 @@ def _valid_png(path: Path) -> tuple[int, int]:
 
 def test_report_from_a_hand_made_run(make_state, h, tmp_path):
     steps = [h.step_metrics(i, cost_usd=0.032, trajectories=32) for i in range(1, 11)]
+    steps[3] = msgspec.structs.replace(steps[3], retokenization_breaks={"history_truncated": 2})
+    steps[7] = msgspec.structs.replace(steps[7], retokenization_breaks={"history_truncated": 1,
+                                                                       "answer_rewritten": 4})
     state = make_state(steps=steps)
     page = write_report(state, tmp_path / "out")
     assert page == tmp_path / "out" / "index.html"
@@ -84,6 +88,7 @@ def test_report_from_a_hand_made_run(make_state, h, tmp_path):
     assert table["wall-clock, first to last held-out evaluation"] == "612 s"
     assert table["trainer busy time (steps + publishing)"] == "25 s"
     assert table["$ per rollout"] == "$0.001000"
+    assert table["retokenization breaks (trained, by cause)"] == "answer_rewritten 4, history_truncated 3"
     assert (page.parent / "summary.json").is_file()
 
 

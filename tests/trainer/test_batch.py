@@ -153,3 +153,19 @@ def test_batch_round_trips_every_segment(groups, shapes):
             assert b.support_logprobs[r, t, :k].tolist() == pytest.approx([lp for _, lp in row], abs=1e-6)
             assert (b.support_ids[r, t, k:] == -1).all() and (b.support_logprobs[r, t, k:] == -math.inf).all()
         assert int(b.attention_mask[r].sum()) == len(prompt) + n
+
+
+def test_retokenization_breaks_of_the_trajectories_are_summed_by_cause(groups):
+    """The worker's per-trajectory break counts reach the batch (and so the step's metrics
+    and the report); each segment stays a row of its own."""
+    import msgspec
+
+    g = groups.versioned("x", 0)
+    marked = [msgspec.structs.replace(t, metrics={**t.metrics, "retokenization_breaks": 2.0,
+                                                   "retokenization_breaks/history_truncated": 1.0,
+                                                   "retokenization_breaks/answer_rewritten": 1.0})
+              for t in g.trajectories]
+    batch = build_batch([msgspec.structs.replace(g, trajectories=tuple(marked))])
+    n = len(marked)
+    assert batch.retokenization_breaks == {"history_truncated": n, "answer_rewritten": n}
+    assert build_batch([g]).retokenization_breaks == {}
