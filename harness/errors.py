@@ -105,12 +105,14 @@ class ModelUnavailable(HarnessError):
 
 
 class ApiError(HarnessError):
-    """An error answered in OpenAI's shape: HTTP ``status`` and the body `body`."""
+    """An error answered in OpenAI's shape: HTTP ``status`` and the body `body`;
+    ``retry_after_s``: sent as the ``Retry-After`` header (a refused flood's 429)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
         self.message = message
         self.type = type
         self.param = param

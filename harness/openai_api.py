@@ -20,6 +20,10 @@ user's guide; in short:
   ``{"error": {"message", "type", "param", "code"}}``; an unknown model 404; a prompt
   longer than the context 400 with code ``context_length_exceeded``; a model failure
   503. No request makes the app fail: an unexpected error is a 500 of the same shape.
+* Floods are refused, never queued: a call over the per-attempt limit on calls in
+  flight, or over the total limit on calls waiting for the model, gets 429 at once
+  with a ``Retry-After`` header (`openai_limits`); it is not recorded, and the calls
+  already admitted run and are recorded as usual. ``app.state.limits`` counts them.
 
 Streaming: the sampler protocol answers a request with a whole `Generation`, so a
 streamed response is produced once the generation is complete, as OpenAI's chunk
@@ -27,7 +31,7 @@ format (``chat.completion.chunk`` / ``text_completion``) ending with ``data: [DO
 
 This module holds the routes (I/O); the rest is pure and lives beside it: the
 attempts in `attempts`, request checking in `openai_request`, response bodies and
-events in `openai_response`, `ApiError` in `errors`.
+events in `openai_response`, the flood limits in `openai_limits`, `ApiError` in `errors`.
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ from starlette.routing import Route
 from fleetrl.daemon.messages import Generation, SamplingParams
 
 from .attempts import ATTEMPT_HEADER, AttemptRegistry, resolve_attempt
+from .recording import AttemptRecorder
 from .errors import ApiError, ModelUnavailable
 from .model import ModelClient
+from .openai_limits import CallLimits
 from .openai_request import EndpointConfig, chat_request, completion_request, parse_body, sampling_params
 from .openai_response import (
     CALL_HEADER,
@@ -77,7 +83,8 @@ _log = structlog.get_logger("fleetrl.harness.openai_api")
 
 
 def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body, status_code=err.status)
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return JSONResponse(err.body, status_code=err.status, headers=headers)
 
 
 def _streamed(events: list[bytes], headers: dict[str, str]) -> StreamingResponse:
@@ -98,9 +105,11 @@ def create_app(
     """The endpoint app over ``model``, attributing calls through ``registry``.
 
     The registry's tokenizer must be the model's (ids are the model's vocabulary).
-    ``app.state.registry`` and ``app.state.config`` hold the two for the caller.
+    ``app.state.registry`` and ``app.state.config`` hold the two for the caller,
+    ``app.state.limits`` the `CallLimits` (its statistics).
     """
     tok = registry.tokenizer
+    limits = CallLimits(per_attempt=config.max_concurrent_calls_per_attempt, waiting=config.max_waiting_calls)
 
     async def read_json(request: Request) -> dict:
         declared = request.headers.get("content-length")
@@ -112,14 +121,15 @@ def create_app(
             if size > config.max_body_bytes:
                 raise ApiError(413, f"request body over {config.max_body_bytes} bytes", code="body_too_large")
             chunks.append(chunk)
-        return parse_body(b"".join(chunks))
+        return parse_body(b"".join(chunks), request.headers.get("content-type", "(none)"))
 
     async def generate(key: str, attempt_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
         # a client that tags requests by attempt (the sampler pool's: its logs, prompt
         # affinity and pacing go by attempt) answers through its view of this attempt
         client = model.for_attempt(attempt_id) if hasattr(model, "for_attempt") else model
         try:
-            gen = await client.generate(prompt_ids, params)
+            with limits.model_slot():
+                gen = await client.generate(prompt_ids, params)
         except ModelUnavailable as err:
             raise ApiError(503, f"the model could not answer: {err}", type="server_error",
                            code="model_unavailable") from None
@@ -133,6 +143,10 @@ def create_app(
 
     async def chat_completions(request: Request) -> Response:
         key, recorder = resolve_attempt(registry, request.headers)
+        with limits.attempt_slot(key):
+            return await chat_call(request, key, recorder)
+
+    async def chat_call(request: Request, key: str, recorder: AttemptRecorder) -> Response:
         req = chat_request(await read_json(request), config)
         c = req.common
         plan = recorder.plan_chat(req.messages)
@@ -150,6 +164,10 @@ def create_app(
 
     async def completions(request: Request) -> Response:
         key, recorder = resolve_attempt(registry, request.headers)
+        with limits.attempt_slot(key):
+            return await completion_call(request, key, recorder)
+
+    async def completion_call(request: Request, key: str, recorder: AttemptRecorder) -> Response:
         req = completion_request(await read_json(request), config, tok)
         c = req.common
         params = sampling_params(c, req.max_tokens, len(req.prompt_ids), config, tok.eos_id, "prompt")
@@ -174,7 +192,8 @@ def create_app(
             try:
                 return await handler(request)
             except ApiError as err:
-                log = _log.warning if err.status >= 500 else _log.info
+                # a flood's refusals are counted (app.state.limits), not logged one by one
+                log = _log.warning if err.status >= 500 else _log.debug if err.status == 429 else _log.info
                 log("openai request rejected" if err.status < 500 else "openai request failed",
                     path=request.url.path, status=err.status, code=err.code, error=err.message)
                 return _error_response(err)
@@ -200,4 +219,5 @@ def create_app(
     )
     app.state.registry = registry
     app.state.config = config
+    app.state.limits = limits
     return app

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import msgspec
 
@@ -39,17 +40,24 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     prompt plus generation, in tokens. ``default_max_tokens``: generation length when
     a request gives none (always capped at the room left in the context).
     ``max_body_bytes``: larger request bodies get 413.
+    ``max_concurrent_calls_per_attempt``: calls of one attempt in flight at once; the
+    next gets 429 ``too_many_concurrent_calls``. ``max_waiting_calls``: calls of all
+    attempts waiting for the model at once; the next gets 429 ``endpoint_busy``
+    (`openai_limits`).
     """
 
     model_name: str = "fleetrl"
     context_length: int = 4096
     default_max_tokens: int = 512
     max_body_bytes: int = 8 << 20
+    max_concurrent_calls_per_attempt: int = 8
+    max_waiting_calls: int = 256
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("EndpointConfig.model_name must not be empty")
-        for name in ("context_length", "default_max_tokens", "max_body_bytes"):
+        for name in ("context_length", "default_max_tokens", "max_body_bytes", "max_concurrent_calls_per_attempt",
+                     "max_waiting_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EndpointConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -200,6 +208,9 @@ def _messages(body: dict, ignored: list[str]) -> list[ChatMessage]:
         if not isinstance(m, dict):
             raise _bad(where, f"must be an object, got {_type_name(m)}", "invalid_type")
         role = m.get("role")
+        if not isinstance(role, str):
+            raise _bad(f"{where}.role", "is required and must be a string" if role is None else
+                       f"must be a string, got {_type_name(role)}", "invalid_type")
         if role not in _ROLES:
             raise _bad(f"{where}.role", f"must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
         out.append(ChatMessage(role, _content_text(m.get("content"), where)))
@@ -207,14 +218,46 @@ def _messages(body: dict, ignored: list[str]) -> list[ChatMessage]:
     return out
 
 
-def parse_body(raw: bytes) -> dict:
-    """The request body as a JSON object; anything else is an `ApiError` 400."""
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(body: object) -> bool:
+    stack, texts = [body], []
+    while stack:  # no recursion: the body may be nested as deep as the decoder allowed
+        v = stack.pop()
+        if isinstance(v, str):
+            texts.append(v)
+        elif isinstance(v, dict):
+            texts.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
     try:
-        body = json.loads(raw)
+        for t in texts:
+            t.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def parse_body(raw: bytes, content_type: str = "application/json") -> dict:
+    """The request body as a JSON object in UTF-8; anything else is an `ApiError` 400
+    ``invalid_json``. ``content_type`` is not checked (a JSON body is read whatever the
+    header says) but named in the error when the body is not JSON."""
+    try:
+        body = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as err:
+        raise ApiError(400, f"the request body is not UTF-8 ({err.reason} at byte {err.start})",
+                       code="invalid_json") from None
     except (ValueError, RecursionError) as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+        hint = "" if "json" in content_type.lower() else f" (Content-Type {content_type!r}; send application/json)"
+        raise ApiError(400, f"the request body is not valid JSON{hint}: {err}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_type_name(body)}", code="invalid_json")
+    # a \ud800-style escape decodes to a lone surrogate, which no text can hold (UTF-8 cannot)
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        raise ApiError(400, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                            "pair), which is no character", code="invalid_json")
     return body
 
 

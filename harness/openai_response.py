@@ -123,10 +123,14 @@ def sse(obj: object) -> bytes:
 
 def response_headers(rec: CallRecord) -> dict[str, str]:
     """The headers of a call's response: its index (`CALL_HEADER`) and the ignored
-    parameters (`IGNORED_HEADER`, when there are any)."""
+    parameters (`IGNORED_HEADER`, when there are any, escaped to printable ASCII)."""
     h = {CALL_HEADER: str(rec.index)}
     if rec.ignored_params:
-        h[IGNORED_HEADER] = ",".join(rec.ignored_params)
+        # the names are the client's JSON keys: anything outside printable ASCII, and
+        # spaces (which a header cannot carry, or not at its ends), is written as a
+        # Python escape, e.g. \u65e5, \n or \x20
+        h[IGNORED_HEADER] = ",".join(p.encode("unicode_escape").decode("ascii").replace(" ", "\\x20")
+                                     for p in rec.ignored_params)
     return h
 
 

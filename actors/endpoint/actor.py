@@ -34,6 +34,7 @@ from fleetrl.actors.envworker.model import open_model
 from fleetrl.daemon.actor import ActorContext
 from fleetrl.daemon.state import read_control
 from fleetrl.harness.openai_api import AttemptRegistry, create_app
+from fleetrl.harness.openai_limits import CallLimits
 
 from .config import EndpointActorConfig
 
@@ -46,9 +47,20 @@ Inbox = Never
 """The endpoint takes no messages; it serves HTTP."""
 
 
-class EndpointStatistics(msgspec.Struct, frozen=True, kw_only=True):
+class EndpointStatistics(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What the endpoint holds and has refused; the flood counters are left out of
+    /status and /metrics while they are 0 (the usual case)."""
+
     open_attempts: int
     """Attempts whose keys are open now."""
+    calls_in_flight: int = 0
+    """Calls being served now (admitted, not yet answered)."""
+    calls_waiting: int = 0
+    """Calls waiting for the model now."""
+    rejected_too_many_concurrent_calls: int = 0
+    """Calls refused with 429 ``too_many_concurrent_calls`` (an attempt over its limit)."""
+    rejected_endpoint_busy: int = 0
+    """Calls refused with 429 ``endpoint_busy`` (too many calls waiting for the model)."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +77,17 @@ class EndpointHandle:
     """Its setting (`LocalModel` or `PoolModel`): a worker running an external harness
     paces its groups through the pool's pacer when this is a `PoolModel` with
     ``pacing = true``."""
+    limits: CallLimits | None = None
+    """The app's flood limits (`fleetrl.harness.openai_limits`), for the statistics."""
 
     def statistics(self) -> EndpointStatistics:
-        return EndpointStatistics(open_attempts=len(self.registry))
+        if self.limits is None:
+            return EndpointStatistics(open_attempts=len(self.registry))
+        s = self.limits.statistics()
+        return EndpointStatistics(open_attempts=len(self.registry), calls_in_flight=s.in_flight,
+                                  calls_waiting=s.waiting,
+                                  rejected_too_many_concurrent_calls=s.rejected_per_attempt,
+                                  rejected_endpoint_busy=s.rejected_busy)
 
 
 def client_host(host: str) -> str:
@@ -120,7 +140,7 @@ async def run(cfg: EndpointActorConfig, ctx: ActorContext, *,
     ctx.mount(PREFIX, _KeepFullPath(app, PREFIX), auth=False)
     ctx.log.info("openai endpoint serving", url=base_url, model=cfg.model_name)
     task_status.started(EndpointHandle(registry=registry, base_url=base_url, model_name=cfg.model_name,
-                                       model=model, model_config=cfg.model))
+                                       model=model, model_config=cfg.model, limits=app.state.limits))
     async for msg in ctx.inbox:  # ends at shutdown once every holder of the handle has returned
         ctx.log.warning("message ignored", type=type(msg).__name__)
     ctx.log.info("openai endpoint stopped", open_attempts=len(registry))
