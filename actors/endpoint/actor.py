@@ -47,9 +47,8 @@ Inbox = Never
 """The endpoint takes no messages; it serves HTTP."""
 
 
-class EndpointStatistics(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """What the endpoint holds and has refused; the flood counters are left out of
-    /status and /metrics while they are 0 (the usual case)."""
+class EndpointStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """What the endpoint holds now and what it has refused."""
 
     open_attempts: int
     """Attempts whose keys are open now."""

@@ -323,14 +323,16 @@ async def test_malformed_requests_found_by_the_random_test_get_named_400s(tok):
     assert call.ignored_params == (" a\n", "x\x7f", "\u65e5")  # the record keeps the names as sent
 
 
-def test_the_endpoint_statistics_show_the_flood_counters_only_when_they_are_not_zero(tok):
+def test_the_endpoint_statistics_count_calls_and_refusals(tok):
     registry = AttemptRegistry(tok)
     limits = CallLimits(per_attempt=1, waiting=1)
     handle = EndpointHandle(registry=registry, base_url="", model_name="m", limits=limits)
-    assert msgspec.to_builtins(handle.statistics()) == {"open_attempts": 0}
+    zero = {"open_attempts": 0, "calls_in_flight": 0, "calls_waiting": 0,
+            "rejected_too_many_concurrent_calls": 0, "rejected_endpoint_busy": 0}
+    assert msgspec.to_builtins(handle.statistics()) == zero
     with limits.attempt_slot("k"):
         with pytest.raises(ApiError), limits.attempt_slot("k"):
             pass
-        assert msgspec.to_builtins(handle.statistics()) == {"open_attempts": 0, "calls_in_flight": 1,
+        assert msgspec.to_builtins(handle.statistics()) == {**zero, "calls_in_flight": 1,
                                                            "rejected_too_many_concurrent_calls": 1}
-    assert msgspec.to_builtins(handle.statistics()) == {"open_attempts": 0, "rejected_too_many_concurrent_calls": 1}
+    assert msgspec.to_builtins(handle.statistics()) == {**zero, "rejected_too_many_concurrent_calls": 1}
