@@ -24,7 +24,6 @@ import os
 import re
 import socket
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any, Protocol
 
 import trio
