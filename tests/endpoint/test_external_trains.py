@@ -31,11 +31,11 @@ STEPS = 3
 
 def config(tmp_path, model_dir, image) -> str:
     tasks = tmp_path / "tasks.jsonl"
-    # reward 1 when the first answer had an odd number of tokens: sampled answers differ,
-    # so most groups have reward variance, as the trainer needs
+    # reward 1 when the CRC of the answer file (the answers' token counts and text) is
+    # even: sampled answers differ, so about half the groups have reward variance
     tasks.write_text(json.dumps({
-        "id": "count", "prompt": "Say something.", "image": image,
-        "evaluator": {"command": 'set -- $(cat answer.txt); test $(($1 % 2)) = 1'},
+        "id": "crc", "prompt": "Say something.", "image": image,
+        "evaluator": {"command": "test $(( $(cksum < answer.txt | cut -d ' ' -f 1) % 2 )) -eq 0"},
         "limits": {"timeout_s": 60}}) + "\n")
     weights = tmp_path / "state" / "actors" / "trainer" / "weights"
     script = HERE / "scripts" / "two_calls_count.py"
@@ -93,7 +93,7 @@ sandbox = {{memory_mb = 256, min_warm = 0}}
 
 async def test_an_external_program_trains_the_model_through_the_pool(tmp_path, tiny_model_dir, image):
     sup, state = supervisor_for(tmp_path, config(tmp_path, tiny_model_dir, image))
-    with state, trio.fail_after(400):
+    with state, trio.fail_after(900):
         async with trio.open_nursery() as n:
             await n.start(partial(sup.run, handle_signals=False))
             trainer = await sup.wait_handle("trainer")
@@ -113,5 +113,5 @@ async def test_an_external_program_trains_the_model_through_the_pool(tmp_path, t
     last = steps[-1]
     # the last step's tokens were sampled at a version after 0: the sampler followed the deltas
     assert last["version"] - max(int(k) for k in last["staleness_hist"]) >= 1, last
-    assert pool_stats.trainer_version >= STEPS - 1 and pool_stats.answered >= 2 * GROUP_SIZE * STEPS
+    assert pool_stats.trainer_version >= 1 and pool_stats.answered >= 2 * GROUP_SIZE * STEPS
     assert env_stats.attempts.get("scored", 0) >= GROUP_SIZE * STEPS
