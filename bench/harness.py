@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -123,20 +124,15 @@ subprocess.run(["docker", "exec", "-i", "-u", os.environ["FLEETRL_SANDBOX_USER"]
 
 @asynccontextmanager
 async def served(app):
-    """``app`` served by hypercorn's Trio worker on a free port of 127.0.0.1; yields its base URL."""
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
+    """``app`` served on a free port of 127.0.0.1 the way the daemon serves its control
+    plane (`fleetrl.daemon.control.serve_control`); yields its base URL."""
+    from fleetrl.daemon.control import serve_control
 
-    cfg = Config()
-    cfg.bind = ["127.0.0.1:0"]
-    cfg.accesslog = None
-    cfg.errorlog = None
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(lambda task_status: serve(app, cfg, shutdown_trigger=stop.wait,
-                                                              task_status=task_status))
+        host, port = await nursery.start(partial(serve_control, app, "127.0.0.1", 0, shutdown_trigger=stop.wait))
         try:
-            yield binds[0]
+            yield f"http://{host}:{port}"
         finally:
             stop.set()
 
