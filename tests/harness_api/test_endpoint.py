@@ -17,7 +17,7 @@ from fakes import ASCII, FakeModel, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.harness.chat import ChatMessage, render_chat
+from fleetrl.harness.chat import ChatMessage
 from fleetrl.harness.openai_api import (
     ATTEMPT_HEADER,
     IGNORED_HEADER,
@@ -110,7 +110,7 @@ async def test_twenty_turn_conversation_is_recorded_token_exactly_end_to_end(tok
         prev = record.calls[i - 1]
         assert call.extends == i - 1
         assert call.prompt_ids[: len(prev.prompt_ids) + len(prev.token_ids)] == prev.prompt_ids + prev.token_ids
-    whole = render_chat(tok, [ChatMessage(m["role"], m["content"]) for m in final], add_generation_prompt=False)
+    whole = tok.encode(tok.render([ChatMessage(m["role"], m["content"]) for m in final], None, False))
     last = record.calls[-1]
     tail = last.token_ids if last.token_ids[-1] == tok.eos_id else [*last.token_ids, tok.eos_id]
     assert whole == [*last.prompt_ids, *tail, *tok.encode("\n")]
