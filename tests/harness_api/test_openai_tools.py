@@ -148,7 +148,7 @@ def test_completions_take_n_but_not_best_of(tok):
 # --------------------------------------------------------------------------- responses
 
 
-async def _recorded(tok, replies, *, parse_tool_calls=True, max_tokens=200):
+async def _recorded(tok, replies, *, parse_tool_calls=True, max_tokens=200, stops=()):
     """Record one chat call per reply (the choices of one request) and return them."""
     registry = AttemptRegistry(tok)
     recorder = registry.recorder(registry.open_attempt("a1", "t1"))
@@ -159,7 +159,7 @@ async def _recorded(tok, replies, *, parse_tool_calls=True, max_tokens=200):
     for _ in replies:
         gen = await model.generate(plan.ids, SamplingParams(max_tokens=max_tokens, stop_ids=(tok.eos_id,)))
         recs.append(recorder.record_chat(messages, plan, gen, tools=[WEATHER], parse_tool_calls=parse_tool_calls,
-                                         ignored_params=["x"]))
+                                         ignored_params=["x"], stops=stops))
     return recs
 
 
@@ -240,3 +240,19 @@ async def test_completion_body_and_events_with_n_choices(tok):
         assert "".join(c["text"] for c in mine) == rec.text and mine[-1]["finish_reason"] == "stop"
     with pytest.raises(ValueError):
         completion_body(reply, recs, [None])
+
+
+async def test_stop_strings_and_max_tokens_apply_before_tool_calls_are_parsed(tok):
+    # a stop string before the block: the client gets the text before it, no tool call
+    (rec,) = await _recorded(tok, [TOOL_ANSWER], stops=["<tool_call>"])
+    choice = chat_body(REPLY, [rec], [None])["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Let me look.\n"}
+    assert choice["finish_reason"] == "stop" and rec.tool_call_parse_failure is None
+    # a stop string after the block: the call stands
+    (rec,) = await _recorded(tok, [TOOL_ANSWER + " trailing words"], stops=[" trailing"])
+    assert chat_body(REPLY, [rec], [None])["choices"][0]["finish_reason"] == "tool_calls"
+    # a block cut by max_tokens: plain content, finish length, a parse failure recorded
+    (rec,) = await _recorded(tok, [TOOL_ANSWER], max_tokens=30)
+    choice = chat_body(REPLY, [rec], [None])["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == rec.text
+    assert "tool_calls" not in choice["message"] and rec.tool_call_parse_failure is not None
