@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .chat import ToolCall
+from .errors import HarnessError
 
 __all__ = ["CLOSE", "OPEN", "ParsedAnswer", "parse_tool_calls"]
 
@@ -42,8 +43,8 @@ class ParsedAnswer:
     failed: str | None = None
 
 
-class _Malformed(Exception):
-    pass
+class _Malformed(HarnessError):
+    """A tool-call block that does not parse (internal: `parse_tool_calls` returns it as ``failed``)."""
 
 
 def _skip_space(text: str, at: int) -> int:
