@@ -9,7 +9,7 @@ its ``tokenizer`` (`chat.ChatTokenizer`: encode, decode, special ids). The sampl
 backend.
 
 `HFChatTokenizer` adapts a Hugging Face tokenizer (object or saved directory) to
-`ChatTokenizer`. `RecordedModel` makes chat and completion calls through an
+`ChatTokenizer`: prompts are rendered by the tokenizer's own chat template. `RecordedModel` makes chat and completion calls through an
 `recording.AttemptRecorder`, so every call a built-in harness makes is recorded
 token-exactly, exactly as calls through the endpoint are.
 """
@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fleetrl.daemon.messages import Generation, SamplingParams
 
-from .chat import ChatMessage, ChatTokenizer
+from .chat import ChatMessage, ChatTokenizer, template_messages
 from .errors import ModelUnavailable
 from .recording import AttemptRecorder, CallRecord
 
@@ -58,13 +58,20 @@ class ModelClient(Protocol):
 class HFChatTokenizer:
     """A Hugging Face tokenizer as a `ChatTokenizer`.
 
-    ``encode`` adds no special tokens (text spelling a special token still maps to its
-    id, as in ``apply_chat_template``); ``decode`` skips special tokens.
+    ``render`` is ``apply_chat_template(..., tokenize=False)`` with the tokenizer's own
+    chat template; ``encode`` adds no special tokens (text spelling a special token
+    still maps to its id, as in ``apply_chat_template(..., tokenize=True)``);
+    ``decode`` skips special tokens.
     """
 
     def __init__(self, hf: Any) -> None:
         if hf.eos_token_id is None:
             raise ValueError("HFChatTokenizer: the tokenizer has no eos token; the chat layout needs one")
+        if not getattr(hf, "chat_template", None):
+            raise ValueError(
+                "HFChatTokenizer: the tokenizer has no chat template, so chat prompts cannot be rendered; "
+                "use the model's instruct/chat tokenizer, or add one (a chat_template.jinja file or "
+                "\"chat_template\" in tokenizer_config.json of the tokenizer directory)")
         self.hf = hf
         self._bos: int | None = hf.bos_token_id
         self._eos: int = int(hf.eos_token_id)
@@ -86,8 +93,18 @@ class HFChatTokenizer:
         return self._eos
 
     @property
+    def eos_token(self) -> str:
+        return str(self.hf.eos_token)
+
+    @property
     def vocab_size(self) -> int:
         return self._vocab
+
+    def render(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None,
+               add_generation_prompt: bool) -> str:
+        return self.hf.apply_chat_template(
+            template_messages(messages), tools=list(tools) if tools is not None else None,
+            add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -120,12 +137,15 @@ class RecordedModel:
             seed=params.seed,
         )
 
-    async def chat(self, messages: Sequence[ChatMessage], params: SamplingParams, *, stop: Sequence[str] = ()) -> CallRecord:
-        """One chat call: prompt from the recorder's history, ``<eos>`` always a stop id."""
+    async def chat(self, messages: Sequence[ChatMessage], params: SamplingParams, *, stop: Sequence[str] = (),
+                   tools: Sequence[dict] | None = None, parse_tool_calls: bool = False) -> CallRecord:
+        """One chat call: prompt from the recorder's history, ``<eos>`` always a stop id;
+        ``tools`` go to the chat template, and with ``parse_tool_calls`` the answer's
+        tool calls are parsed (see `AttemptRecorder.record_chat`)."""
         msgs = tuple(messages)
-        plan = self.recorder.plan_chat(msgs)
+        plan = self.recorder.plan_chat(msgs, tools)
         gen = await self.model.generate(plan.ids, self._params(params))
-        return self.recorder.record_chat(msgs, plan, gen, stops=stop)
+        return self.recorder.record_chat(msgs, plan, gen, stops=stop, tools=tools, parse_tool_calls=parse_tool_calls)
 
     async def complete(self, prompt_ids: Sequence[int], params: SamplingParams, *, stop: Sequence[str] = ()) -> CallRecord:
         """One completion call on raw prompt ids, ``<eos>`` always a stop id."""
