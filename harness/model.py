@@ -8,6 +8,11 @@ its ``tokenizer`` (`chat.ChatTokenizer`: encode, decode, special ids). The sampl
 (actors/) implements it; tests use in-memory fakes and an adapter over the torch
 backend.
 
+A client may also stream: ``stream(prompt_ids, params)`` (`StreamingModelClient`)
+yields zero or more `TokenChunk`s as the sampler produces tokens, then exactly one
+`Generation`, the one ``generate`` would return. `stream_generation` streams from any
+client, one without ``stream`` as its final `Generation` alone.
+
 `HFChatTokenizer` adapts a Hugging Face tokenizer (object or saved directory) to
 `ChatTokenizer`: prompts are rendered by the tokenizer's own chat template. `RecordedModel` makes chat and completion calls through an
 `recording.AttemptRecorder`, so every call a built-in harness makes is recorded
@@ -17,10 +22,11 @@ token-exactly, exactly as calls through the endpoint are.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from typing import Any, Protocol, runtime_checkable
 
-from fleetrl.daemon.messages import Generation, SamplingParams
+from fleetrl.daemon.messages import Generation, SamplingParams, TokenChunk
 
 from .chat import ChatMessage, ChatTokenizer, template_messages
 from .errors import ModelUnavailable
@@ -32,6 +38,9 @@ __all__ = [
     "ModelClient",
     "ModelUnavailable",
     "RecordedModel",
+    "StreamingModelClient",
+    "TokenChunk",
+    "stream_generation",
 ]
 
 
@@ -47,6 +56,40 @@ class ModelClient(Protocol):
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         """Continue ``prompt_ids``; raises `ModelUnavailable` when it cannot."""
         ...
+
+
+@runtime_checkable
+class StreamingModelClient(ModelClient, Protocol):
+    """A `ModelClient` that streams its tokens (the sampler pool's and the local clients
+    of actors/envworker/model.py)."""
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+        """Continue ``prompt_ids``, streamed: zero or more `TokenChunk` (``token_ids``: the
+        tokens the sampler has produced since the last chunk, in order) as the sampler
+        produces them, then exactly one `Generation`, the same ``generate`` returns.
+
+        The chunks concatenate to a prefix of the Generation's ``token_ids`` (all of it
+        when the sampler streams every token, as the torch and vLLM samplers do; none of
+        it from a sampler that does not stream): a reader sends on the chunks as they
+        come and the rest of ``token_ids``, if any, at the end. Raises
+        `ModelUnavailable` when it cannot (also after some chunks: a stream whose
+        sampler is lost is not resumed elsewhere). Close it early with
+        ``contextlib.aclosing`` to give the request up."""
+        ...
+
+
+async def stream_generation(model: ModelClient, prompt_ids: Sequence[int], params: SamplingParams
+                            ) -> AsyncIterator[TokenChunk | Generation]:
+    """``model.stream(prompt_ids, params)`` when the client streams, else the one
+    `Generation` of ``model.generate`` (no chunks): `StreamingModelClient.stream` for
+    any client. Use it inside ``contextlib.aclosing``."""
+    stream = getattr(model, "stream", None)
+    if stream is None:
+        yield await model.generate(prompt_ids, params)
+        return
+    async with aclosing(stream(prompt_ids, params)) as items:
+        async for item in items:
+            yield item
 
 
 # A client may also offer ``for_attempt(attempt_id) -> ModelClient``: a view whose
