@@ -32,9 +32,16 @@ user's guide; in short:
   with a ``Retry-After`` header (`openai_limits`); it is not recorded, and the calls
   already admitted run and are recorded as usual. ``app.state.limits`` counts them.
 
-Streaming: the sampler protocol answers a request with a whole `Generation`, so a
-streamed response is produced once the generation is complete, as OpenAI's chunk
-format (``chat.completion.chunk`` / ``text_completion``) ending with ``data: [DONE]``.
+Streaming (``stream: true``): each choice's text is sent as the sampler produces its
+tokens (the model client's ``stream``, `model.stream_generation`), in OpenAI's chunk
+format (``chat.completion.chunk`` / ``text_completion``): the role, then text pieces
+as they become certain (`openai_stream.TextStreamer`: not a stop string nor a tail that
+may start one, not a tool-call block), then, once the call is recorded, the rest of the
+text, the tool calls and the finish with the choice's log-probabilities; the usage when
+asked, and ``data: [DONE]``. A model failure after the stream began is an ``error``
+event before ``[DONE]`` (the status line is already sent). A client that disconnects
+gives its generations up; nothing of that request is recorded. The request's slots
+(`openai_limits`) are held until its stream ends.
 
 This module holds the routes (I/O); the rest is pure and lives beside it: the
 attempts in `attempts`, request checking in `openai_request`, response bodies and
@@ -45,8 +52,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import ExitStack, aclosing
 from typing import Any
 
 import msgspec
@@ -57,27 +64,35 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from fleetrl.daemon.messages import Generation, SamplingParams
+from fleetrl.daemon.messages import Generation, SamplingParams, TokenChunk
 
 from .attempts import ATTEMPT_HEADER, AttemptRegistry, resolve_attempt
 from .recording import AttemptRecorder, CallRecord
 from .errors import ApiError, ModelUnavailable
-from .model import ModelClient
+from .model import ModelClient, stream_generation
 from .openai_limits import CallLimits
 from .openai_request import EndpointConfig, chat_request, completion_request, parse_body, sampling_params
 from .openai_response import (
     CALL_HEADER,
     IGNORED_HEADER,
     Reply,
+    DONE,
     chat_body,
-    chat_events,
+    chat_content_chunk,
+    chat_final_chunks,
     chat_logprobs,
+    chat_role_chunk,
     completion_body,
-    completion_events,
+    completion_chunk,
     completion_logprobs,
+    finish_reason,
     response_headers,
+    sse,
+    usage_chunk,
 )
+from .openai_stream import TextStreamer
 
 __all__ = [
     "ATTEMPT_HEADER",
@@ -139,12 +154,48 @@ def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body, status_code=err.status, headers=headers)
 
 
-def _streamed(events: list[bytes], headers: dict[str, str]) -> StreamingResponse:
-    async def each() -> AsyncIterator[bytes]:
-        for event in events:
-            yield event
+Emit = Callable[[bytes], Awaitable[None]]
 
-    return StreamingResponse(each(), media_type="text/event-stream", headers=headers)
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream written by ``produce(emit)`` while it runs, in this
+    request's task (no generator suspended across a nursery): a client disconnect
+    cancels ``produce``; ``slots`` (the request's limits) close when the stream ends."""
+
+    def __init__(self, produce: Callable[[Emit], Awaitable[None]], headers: dict[str, str], slots: ExitStack) -> None:
+        super().__init__((), media_type="text/event-stream", headers=headers)
+        self.produce = produce
+        self.slots = slots
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with self.slots, trio.CancelScope() as stream_scope:
+            lock = trio.Lock()
+            gone = False
+
+            async def emit(data: bytes) -> None:
+                nonlocal gone
+                async with lock:  # choices stream concurrently; one body message at a time
+                    try:
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                    except OSError:  # the client left
+                        gone = True
+                        stream_scope.cancel()
+                        await trio.lowlevel.checkpoint()
+
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async with trio.open_nursery() as nursery:
+                async def disconnect() -> None:
+                    nonlocal gone
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    gone = True
+                    stream_scope.cancel()
+
+                nursery.start_soon(disconnect)
+                await self.produce(emit)
+                nursery.cancel_scope.cancel()
+            if not gone:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def create_app(
@@ -223,48 +274,143 @@ def create_app(
     def reply(prefix: str) -> Reply:
         return Reply(id=f"{prefix}-{secrets.token_hex(12)}", created=int(clock()), model=config.model_name)
 
+    async def streamed_choices(emit: Emit, key: str, attempt_id: str, prompt_ids: list[int],
+                               params: SamplingParams, n: int, streamers: list[TextStreamer],
+                               piece: Callable[[int, str], dict[str, Any]]) -> list[Generation]:
+        """``n`` generations of ``prompt_ids`` streamed concurrently: each choice's safe
+        text goes out as ``piece(i, text)`` chunks while it is generated (module
+        docstring). One failing cancels the others: an `ApiError` 503."""
+        client = model.for_attempt(attempt_id) if hasattr(model, "for_attempt") else model
+        gens: list[Generation | None] = [None] * n
+        failures: list[ModelUnavailable] = []
+
+        async def one(i: int, p: SamplingParams, cancel: trio.CancelScope) -> None:
+            ids: list[int] = []
+            try:
+                async with aclosing(stream_generation(client, prompt_ids, p)) as items:
+                    async for item in items:
+                        if isinstance(item, TokenChunk):
+                            ids.extend(item.token_ids)
+                            text = streamers[i].push(ids)
+                            if text:
+                                await emit(sse(piece(i, text)))
+                        else:
+                            gens[i] = item
+            except ModelUnavailable as err:
+                failures.append(err)
+                cancel.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for i, p in enumerate(_choice_params(params, n)):
+                nursery.start_soon(one, i, p, nursery.cancel_scope)
+        if failures or any(g is None for g in gens):
+            raise ApiError(503, f"the model could not answer: {failures[0] if failures else 'no generation'}",
+                           type="server_error", code="model_unavailable")
+        if registry.recorder(key) is None:
+            raise ApiError(401, "the attempt was closed while this call ran; the call was not recorded",
+                           type="authentication_error", code="attempt_closed")
+        return gens  # type: ignore[return-value]
+
+    def event_stream(slots: ExitStack, n: int, produce: Callable[[Emit], Awaitable[None]]) -> _EventStream:
+        """The streamed response of a request whose slots are ``slots`` (taken over: held
+        until the stream ends): its ``n`` model slots are taken now (429 before the stream
+        begins), then ``produce`` writes the events; a failure is an error event."""
+        for _ in range(n):
+            slots.enter_context(limits.model_slot())
+
+        async def guarded(emit: Emit) -> None:
+            try:
+                await produce(emit)
+            except ApiError as err:
+                _log.warning("openai stream failed", status=err.status, code=err.code, error=err.message)
+                await emit(sse(err.body))
+                await emit(DONE)
+
+        return _EventStream(guarded, {}, slots.pop_all())
+
     async def chat_completions(request: Request) -> Response:
         key, recorder = resolve_attempt(registry, request.headers)
-        with limits.attempt_slot(key):
-            return await chat_call(request, key, recorder)
+        with ExitStack() as slots:
+            slots.enter_context(limits.attempt_slot(key))
+            return await chat_call(request, key, recorder, slots)
 
-    async def chat_call(request: Request, key: str, recorder: AttemptRecorder) -> Response:
+    async def chat_call(request: Request, key: str, recorder: AttemptRecorder, slots: ExitStack) -> Response:
         req = chat_request(await read_json(request), config)
         c = req.common
         plan = recorder.plan_chat(req.messages, req.tools)
         params = sampling_params(c, req.max_tokens, len(plan.ids), config, tok.eos_id, "messages")
-        gens = await generate(key, recorder.attempt_id, plan.ids, params, c.n)
-        recs = [recorder.record_chat(req.messages, plan, gen, stops=c.stops, ignored_params=req.ignored,
-                                     tools=req.tools, parse_tool_calls=req.parse_tool_calls) for gen in gens]
-        if req.parse_tool_calls:
-            for rec in recs:
-                tool_counts.count(rec)
-        log_ignored(recorder, recs, req.ignored)
         r = reply("chatcmpl")
-        logprobs = [chat_logprobs(tok, rec, req.top_logprobs) if req.logprobs else None for rec in recs]
+
+        def record(gens: Sequence[Generation]) -> tuple[list[CallRecord], list[Any]]:
+            recs = [recorder.record_chat(req.messages, plan, gen, stops=c.stops, ignored_params=req.ignored,
+                                         tools=req.tools, parse_tool_calls=req.parse_tool_calls) for gen in gens]
+            if req.parse_tool_calls:
+                for rec in recs:
+                    tool_counts.count(rec)
+            log_ignored(recorder, recs, req.ignored)
+            return recs, [chat_logprobs(tok, rec, req.top_logprobs) if req.logprobs else None for rec in recs]
+
         if not c.stream:
+            recs, logprobs = record(await generate(key, recorder.attempt_id, plan.ids, params, c.n))
             return JSONResponse(chat_body(r, recs, logprobs), headers=response_headers(recs))
-        return _streamed(chat_events(r, tok, recs, logprobs, include_usage=c.include_usage), response_headers(recs))
+
+        streamers = [TextStreamer(tok, stops=c.stops, tool_calls=req.parse_tool_calls) for _ in range(c.n)]
+
+        async def produce(emit: Emit) -> None:
+            for i in range(c.n):
+                await emit(sse(chat_role_chunk(r, i)))
+            gens = await streamed_choices(emit, key, recorder.attempt_id, plan.ids, params, c.n, streamers,
+                                          lambda i, text: chat_content_chunk(r, i, text))
+            recs, logprobs = record(gens)
+            for i, (rec, lp) in enumerate(zip(recs, logprobs)):
+                if rest := streamers[i].rest(rec.text):
+                    await emit(sse(chat_content_chunk(r, i, rest)))
+                for chunk in chat_final_chunks(r, i, rec, lp):
+                    await emit(sse(chunk))
+            if c.include_usage:
+                await emit(sse(usage_chunk(r, "chat.completion.chunk", recs)))
+            await emit(DONE)
+
+        return event_stream(slots, c.n, produce)
 
     async def completions(request: Request) -> Response:
         key, recorder = resolve_attempt(registry, request.headers)
-        with limits.attempt_slot(key):
-            return await completion_call(request, key, recorder)
+        with ExitStack() as slots:
+            slots.enter_context(limits.attempt_slot(key))
+            return await completion_call(request, key, recorder, slots)
 
-    async def completion_call(request: Request, key: str, recorder: AttemptRecorder) -> Response:
+    async def completion_call(request: Request, key: str, recorder: AttemptRecorder, slots: ExitStack) -> Response:
         req = completion_request(await read_json(request), config, tok)
         c = req.common
         params = sampling_params(c, req.max_tokens, len(req.prompt_ids), config, tok.eos_id, "prompt")
-        gens = await generate(key, recorder.attempt_id, req.prompt_ids, params, c.n)
-        recs = [recorder.record_completion(req.prompt_ids, gen, stops=c.stops, ignored_params=c.ignored)
-                for gen in gens]
-        log_ignored(recorder, recs, c.ignored)
         r = reply("cmpl")
-        logprobs = [completion_logprobs(tok, rec, req.logprobs) if req.logprobs is not None else None for rec in recs]
+
+        def record(gens: Sequence[Generation]) -> tuple[list[CallRecord], list[Any]]:
+            recs = [recorder.record_completion(req.prompt_ids, gen, stops=c.stops, ignored_params=c.ignored)
+                    for gen in gens]
+            log_ignored(recorder, recs, c.ignored)
+            return recs, [completion_logprobs(tok, rec, req.logprobs) if req.logprobs is not None else None
+                          for rec in recs]
+
         if not c.stream:
+            recs, logprobs = record(await generate(key, recorder.attempt_id, req.prompt_ids, params, c.n))
             return JSONResponse(completion_body(r, recs, logprobs), headers=response_headers(recs))
-        return _streamed(completion_events(r, tok, recs, logprobs, include_usage=c.include_usage),
-                         response_headers(recs))
+
+        streamers = [TextStreamer(tok, stops=c.stops) for _ in range(c.n)]
+
+        async def produce(emit: Emit) -> None:
+            gens = await streamed_choices(emit, key, recorder.attempt_id, req.prompt_ids, params, c.n, streamers,
+                                          lambda i, text: completion_chunk(r, i, text))
+            recs, logprobs = record(gens)
+            for i, (rec, lp) in enumerate(zip(recs, logprobs)):
+                if rest := streamers[i].rest(rec.text):
+                    await emit(sse(completion_chunk(r, i, rest)))
+                await emit(sse(completion_chunk(r, i, "", finish_reason(rec), lp)))
+            if c.include_usage:
+                await emit(sse(usage_chunk(r, "text_completion", recs)))
+            await emit(DONE)
+
+        return event_stream(slots, c.n, produce)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [

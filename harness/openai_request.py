@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Annotated
 
 import msgspec
 
@@ -37,6 +38,11 @@ __all__ = [
 ]
 
 
+_PosInt = Annotated[int, msgspec.Meta(ge=1)]
+"""An int >= 1 (checked with its field's name when a config file is decoded; `EndpointConfig`
+checks it again when built in code)."""
+
+
 class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How the endpoint serves.
 
@@ -52,12 +58,12 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """
 
     model_name: str = "fleetrl"
-    context_length: int = 4096
-    default_max_tokens: int = 512
-    max_body_bytes: int = 8 << 20
-    max_concurrent_calls_per_attempt: int = 8
-    max_waiting_calls: int = 256
-    max_n: int = 16
+    context_length: _PosInt = 4096
+    default_max_tokens: _PosInt = 512
+    max_body_bytes: _PosInt = 8 << 20
+    max_concurrent_calls_per_attempt: _PosInt = 8
+    max_waiting_calls: _PosInt = 256
+    max_n: _PosInt = 16
 
     def __post_init__(self) -> None:
         if not self.model_name:

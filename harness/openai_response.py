@@ -2,9 +2,9 @@
 
 A request with ``n`` choices is ``n`` calls, each recorded as its own `CallRecord`
 (choice ``i`` is the ``i``-th record given). The records become OpenAI's response body
-(``chat.completion`` or ``text_completion``) or, for ``stream: true``, the list of
-server-sent events of its chunks (``chat.completion.chunk`` / ``text_completion``)
-ending with ``data: [DONE]``.
+(``chat.completion`` or ``text_completion``) or, for ``stream: true``, the chunks
+(``chat.completion.chunk`` / ``text_completion``) of its server-sent events (`sse`),
+ending with `DONE`.
 
 A chat answer in which the model called tools (``CallRecord.tool_calls``, parsed by
 the chat template's tool-call format) has ``tool_calls`` (``id``, ``type:
@@ -14,11 +14,9 @@ the chat template's tool-call format) has ``tool_calls`` (``id``, ``type:
 
 Streaming is built from pure pieces, one choice at a time: `chat_role_chunk`, then
 `chat_content_chunk` per piece of text, then `chat_final_chunks` (the tool-call deltas
-and the finish), and `usage_chunk` once after every choice. The sampler protocol
-answers with a whole `Generation` today, so `chat_events` cuts the pieces from the
-finished text (`text_deltas`); a route that streams tokens as they come uses the same
-builders with its own pieces (holding back text that may open a tool-call block until
-the answer is parsed).
+and the finish), and `usage_chunk` once after every choice; `completion_chunk` for
+completions. The route (`openai_api`) sends the pieces as the sampler produces tokens,
+as far as `openai_stream.TextStreamer` says they are certain.
 """
 
 from __future__ import annotations
@@ -37,19 +35,16 @@ __all__ = [
     "Reply",
     "chat_body",
     "chat_content_chunk",
-    "chat_events",
     "chat_final_chunks",
     "chat_logprobs",
     "chat_message",
     "chat_role_chunk",
     "completion_body",
     "completion_chunk",
-    "completion_events",
     "completion_logprobs",
     "finish_reason",
     "response_headers",
     "sse",
-    "text_deltas",
     "tool_calls_json",
     "usage",
     "usage_chunk",
@@ -146,21 +141,6 @@ def completion_logprobs(tok: ChatTokenizer, rec: CallRecord, top: int) -> dict[s
             "top_logprobs": tops if top else None, "text_offset": offsets}
 
 
-def text_deltas(tok: ChatTokenizer, ids: Sequence[int], final: str, every: int = 8) -> list[str]:
-    """Pieces of ``final`` in generation order (each a prefix's new text); they join to ``final``."""
-    pieces: list[str] = []
-    sent = ""
-    for k in range(every, len(ids), every):
-        prefix = tok.decode(ids[:k])
-        if prefix.endswith("\ufffd") or not final.startswith(prefix) or len(prefix) <= len(sent):
-            continue
-        pieces.append(prefix[len(sent):])
-        sent = prefix
-    if len(final) > len(sent):
-        pieces.append(final[len(sent):])
-    return pieces
-
-
 def sse(obj: object) -> bytes:
     """One server-sent event carrying ``obj`` as JSON."""
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
@@ -233,22 +213,6 @@ def usage_chunk(reply: Reply, obj: str, recs: Sequence[CallRecord]) -> dict[str,
             "usage": usage(recs)}
 
 
-def chat_events(reply: Reply, tok: ChatTokenizer, recs: Sequence[CallRecord], logprobs: Sequence[Logprobs], *,
-                include_usage: bool) -> list[bytes]:
-    """The server-sent events of a streamed chat request, choice after choice: the
-    role, the text's pieces, the tool calls and the finish; then the usage when asked,
-    and ``[DONE]``."""
-    _check(recs, logprobs)
-    chunks: list[dict[str, Any]] = []
-    for i, (rec, lp) in enumerate(zip(recs, logprobs)):
-        chunks.append(chat_role_chunk(reply, i))
-        chunks += [chat_content_chunk(reply, i, piece) for piece in text_deltas(tok, rec.token_ids, rec.text)]
-        chunks += chat_final_chunks(reply, i, rec, lp)
-    if include_usage:
-        chunks.append(usage_chunk(reply, "chat.completion.chunk", recs))
-    return [*map(sse, chunks), DONE]
-
-
 # --------------------------------------------------------------------------- completions
 
 
@@ -267,18 +231,3 @@ def completion_body(reply: Reply, recs: Sequence[CallRecord], logprobs: Sequence
             "choices": [{"index": i, "text": rec.text, "logprobs": lp, "finish_reason": finish_reason(rec)}
                         for i, (rec, lp) in enumerate(zip(recs, logprobs))],
             "usage": usage(recs)}
-
-
-def completion_events(reply: Reply, tok: ChatTokenizer, recs: Sequence[CallRecord], logprobs: Sequence[Logprobs],
-                      *, include_usage: bool) -> list[bytes]:
-    """The server-sent events of a streamed completion request, choice after choice:
-    the text's pieces and the finish (with the log-probabilities); then the usage when
-    asked, and ``[DONE]``."""
-    _check(recs, logprobs)
-    chunks: list[dict[str, Any]] = []
-    for i, (rec, lp) in enumerate(zip(recs, logprobs)):
-        chunks += [completion_chunk(reply, i, piece) for piece in text_deltas(tok, rec.token_ids, rec.text)]
-        chunks.append(completion_chunk(reply, i, "", finish_reason(rec), lp))
-    if include_usage:
-        chunks.append(usage_chunk(reply, "text_completion", recs))
-    return [*map(sse, chunks), DONE]

@@ -16,10 +16,8 @@ from fleetrl.harness.openai_request import EndpointConfig, chat_request, complet
 from fleetrl.harness.openai_response import (
     Reply,
     chat_body,
-    chat_events,
     chat_final_chunks,
     completion_body,
-    completion_events,
     response_headers,
     usage,
 )
@@ -203,41 +201,21 @@ async def test_without_parsing_tool_call_text_is_content_and_length_stays_length
     assert chat_body(REPLY, [rec], [None])["choices"][0]["finish_reason"] == "length"
 
 
-async def test_streamed_chat_chunks_per_choice_with_tool_call_deltas(tok):
-    recs = await _recorded(tok, [TOOL_ANSWER, "plain answer"])
-    lps = [{"content": []}, None]
-    events = chat_events(REPLY, tok, recs, lps, include_usage=True)
-    assert events[-1] == b"data: [DONE]\n\n"
-    chunks = [json.loads(e[6:]) for e in events[:-1]]
-    *choice_chunks, usage_chunk = chunks
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == usage(recs)
-    assert all(len(c["choices"]) == 1 and c["object"] == "chat.completion.chunk" for c in choice_chunks)
-    for i, rec in enumerate(recs):
-        mine = [c["choices"][0] for c in choice_chunks if c["choices"][0]["index"] == i]
-        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
-        assert "".join(c["delta"].get("content") or "" for c in mine) == rec.text
-        finishes = [c for c in mine if c["finish_reason"] is not None]
-        assert finishes == [mine[-1]] and mine[-1]["delta"] == {} and mine[-1]["logprobs"] == lps[i]
-        calls = [tc for c in mine for tc in c["delta"].get("tool_calls", [])]
-        assert calls == [{"index": k, "id": tc.id, "type": "function",
-                          "function": {"name": tc.name, "arguments": tc.arguments}}
-                         for k, tc in enumerate(rec.tool_calls)]
-    assert [c["choices"][0]["finish_reason"] for c in choice_chunks if c["choices"][0]["finish_reason"]] == [
-        "tool_calls", "stop"]
-    # the final chunks alone: one per tool call, then the finish
-    assert len(chat_final_chunks(REPLY, 0, recs[0], None)) == 2
+async def test_final_chunks_are_one_per_tool_call_then_the_finish(tok):
+    (rec,) = await _recorded(tok, [TOOL_ANSWER])
+    *calls, finish = chat_final_chunks(REPLY, 0, rec, {"content": []})
+    assert [c["choices"][0]["delta"]["tool_calls"] for c in calls] == [
+        [{"index": k, "id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}]
+        for k, tc in enumerate(rec.tool_calls)] and calls
+    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": {"content": []}, "finish_reason": "tool_calls"}
 
 
-async def test_completion_body_and_events_with_n_choices(tok):
+async def test_completion_body_with_n_choices(tok):
     recs = await _recorded(tok, ["first answer here", "second"], parse_tool_calls=False)
     reply = Reply(id="cmpl-1", created=7, model="fleetrl")
     body = completion_body(reply, recs, [None, None])
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, recs[0].text), (1, recs[1].text)]
     assert body["usage"] == usage(recs)
-    chunks = [json.loads(e[6:]) for e in completion_events(reply, tok, recs, [None, None], include_usage=False)[:-1]]
-    for i, rec in enumerate(recs):
-        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
-        assert "".join(c["text"] for c in mine) == rec.text and mine[-1]["finish_reason"] == "stop"
     with pytest.raises(ValueError):
         completion_body(reply, recs, [None])
 
