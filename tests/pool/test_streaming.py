@@ -28,6 +28,8 @@ from fleetrl.daemon.control import MountTable, build_app, serve_control
 from fleetrl.daemon.protocol import Tensor
 from fleetrl.harness.model import HFChatTokenizer, ModelUnavailable, StreamingModelClient, stream_generation
 
+from .test_remote import _Plane
+
 
 PROMPT = [BOS_ID, 104, 105]
 
@@ -233,23 +235,6 @@ async def test_stream_generation_adapts_clients_without_stream(torch_backend, to
 
 
 # --------------------------------------------------------------------------- a remote sampler
-
-
-class _Plane:
-    def status(self):
-        return {}
-
-    def metrics_text(self):
-        return b""
-
-    def pause(self):
-        pass
-
-    def resume(self):
-        pass
-
-    def request_shutdown(self, reason):
-        pass
 
 
 async def test_remote_sampler_streams_over_its_websocket(torch_backend, tok):
