@@ -247,8 +247,12 @@ def run_warmup(
     *,
     tokenizer: PreTrainedTokenizerFast | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    batches: Iterator[Batch] | None = None,
 ) -> WarmupResult:
     """Train `model` (a causal LM taking input_ids/attention_mask) in place.
+
+    `batches`: the training data (default: `training_batches` of the synthetic coding
+    family; the tool-lookup family's are `tool_warmup.tool_training_batches`).
 
     `on_step(step, loss)` is called after every step with the completion loss
     (progress reporting). The model
@@ -263,7 +267,8 @@ def run_warmup(
         lr=config.lr,
         betas=config.betas,
     )
-    batches = training_batches(config, tok)
+    if batches is None:
+        batches = training_batches(config, tok)
     losses: list[float] = []
     prompt_losses: list[float] = []
     started = time.perf_counter()
