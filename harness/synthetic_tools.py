@@ -1,29 +1,30 @@
 """The tool-lookup task family: multi-turn tasks whose answer is only reachable by a tool.
 
-Each task hides a short code (3 digits) in a file of the sandbox, written by the task's
-setup (``k7.txt`` holding ``417``); the request names the file and asks for the code::
+Each task hides a code (one capital letter) in a file of the sandbox, written by the
+task's setup (``7.txt`` holding ``K``); the request names the file and asks for the code::
 
-    What is the code in k7.txt?
+    What is the code in 7.txt?
 
 The model sees nothing else: it must call the ``read_file`` tool (`READ_FILE_TOOL`, the
 OpenAI function schema the harness sends as ``tools``) with the path, read the tool's
 answer, and answer with the code. The reference conversation (`reference_messages`)::
 
-    user       What is the code in k7.txt?
-    assistant  tool call read_file {"path": "k7.txt"}
-    tool       417
-    assistant  417
+    user       What is the code in 7.txt?
+    assistant  tool call read_file {"path": "7.txt"}
+    tool       K
+    assistant  K
 
 The harness (examples/harnesses/tool_agent.py) writes the final answer, stripped, into
 `ANSWER_FILE` (``answer.txt`` in the task's work dir); the evaluator is
-``test "$(cat answer.txt)" = 417`` (reward 1 on an exact match, else 0). Small on
-purpose: the tiny byte-level model must learn it in a few hundred steps (two copies:
-the path from the request into the call, the code from the tool's answer into the
-reply).
+``test "$(cat answer.txt)" = K`` (reward 1 on an exact match, else 0). Small on
+purpose: the tiny byte-level model must learn it in a few hundred steps (two lookups of
+one token each: the only digit of the request into the call, the only capital letter of
+the tool's answer into the reply; a longer code or path is a positional copy, on which
+the tiny model stays at its prior far longer: docs/results/warmup.md).
 
-Splits: ``train`` and ``fresh`` draw from the same distribution (260 file names x 900
-codes); a hash bucket of (path, code) is reserved for ``fresh``, so a fresh task never
-asks a training question. Task ``i`` of (split, seed) depends on those three only, as in
+Splits: ``train`` and ``fresh`` draw from the same distribution (10 file names x 24
+codes); a hash bucket of (path, code) is reserved for ``fresh`` (about 30 pairs), so a
+fresh task never asks a training question. Task ``i`` of (split, seed) depends on those three only, as in
 `synthetic_tasks`. `run_tool` is the tool's semantics on a task's own files (used by the
 evaluator's in-process rollouts and the warm-up); the harness runs the same tool in the
 sandbox (``cat`` as the sandbox user in the work dir) and returns the same text.
@@ -88,9 +89,13 @@ def is_tool_eval_reserved(path: str, code: str) -> bool:
     return int.from_bytes(digest, "big") % EVAL_RESERVED_BUCKETS == 0
 
 
+CODE_LETTERS: Final = "".join(c for c in string.ascii_uppercase if c not in "TW")
+"""The codes: one capital letter, none that the request or the tiny model's tool prompt
+spells (``What``, ``Tools``, ``To call``)."""
+
+
 def _draw(rng: random.Random) -> tuple[str, str]:
-    path = f"{rng.choice(string.ascii_lowercase)}{rng.randrange(10)}.txt"
-    return path, str(rng.randrange(100, 1000))
+    return f"{rng.randrange(10)}.txt", rng.choice(CODE_LETTERS)
 
 
 def make_tool_task(seed: int, split: ToolSplit, index: int) -> Task:

@@ -7,7 +7,9 @@ template and the family's tools, exactly as the endpoint renders what the exampl
 harness sends (the tools in the first system turn, the call in the template's tool-call
 format, the result as a ``tool`` turn). The loss is on the assistant's tokens only: the
 tool call and the answer, each with its closing EOS (what a sampler generates); the
-system turn, the request and the tool's output are context, never targets.
+system turn, the request and the tool's output are context, never targets. The first
+``plain_steps`` batches (`WarmRecipe.plain_steps`) render the same conversations without
+the tools list: a short context in which the tiny model learns the two lookups quickly.
 
 `render_conversation` turns OpenAI-format messages into the template's text
 (arguments are parsed from their JSON text into objects, as the template formats them);
@@ -135,8 +137,18 @@ def collate_masked(examples: Sequence[MaskedExample]) -> Batch:
     return Batch(ids, mask, labels, prompt_labels)
 
 
-def tool_training_batches(config: WarmupConfig, tokenizer: PreTrainedTokenizerFast) -> Iterator[Batch]:
-    """Batches of ``config.batch_size`` consecutive tasks of the tool-lookup training stream."""
+def tool_training_batches(config: WarmupConfig, tokenizer: PreTrainedTokenizerFast, *,
+                          plain_steps: int = 0) -> Iterator[Batch]:
+    """Batches of ``config.batch_size`` consecutive tasks of the tool-lookup training
+    stream; the first ``plain_steps`` batches render the conversations without the tools
+    list (`WarmRecipe.plain_steps`)."""
     stream = tool_task_stream(config.task_seed, start=config.task_start)
+    step = 0
     while True:
-        yield collate_masked([encode_tool_example(next(stream), tokenizer) for _ in range(config.batch_size)])
+        if step < plain_steps:
+            examples = [encode_conversation(tokenizer, reference_messages(next(stream)), None)
+                        for _ in range(config.batch_size)]
+        else:
+            examples = [encode_tool_example(next(stream), tokenizer) for _ in range(config.batch_size)]
+        yield collate_masked(examples)
+        step += 1

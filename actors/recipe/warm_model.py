@@ -83,13 +83,37 @@ class WarmRecipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     coding tasks (completions), or the tool-lookup family (reference conversations
     rendered with the chat template, loss on the assistant's tokens:
     `tool_warmup`)."""
+    plain_steps: int = 0
+    """Tool-lookup only: the first ``plain_steps`` of ``warmup.steps`` render the
+    conversations without the tools list (no system turn: about 90 tokens instead of
+    400), the rest with it. The short context is where the tiny model learns the
+    lookups (from the request into the call, from the tool's result into the answer) in
+    a few hundred cheap steps; with the tools list from the start it stays on the prior
+    for 400 steps and more (docs/results/warmup.md)."""
+    stop_after: int | None = None
+    """Tool-lookup only: run only the first ``stop_after`` steps of the learning-rate
+    schedule of ``warmup.steps`` (None: all of them). The model reads the tool prompt
+    within a few dozen steps once it has the lookups, so this is where "weak but not
+    hopeless" is set."""
+
+    def __post_init__(self) -> None:
+        last = self.warmup.steps if self.stop_after is None else self.stop_after
+        if self.plain_steps < 0 or self.plain_steps >= last:
+            raise ValueError(f"WarmRecipe.plain_steps must be in [0, {last}) (the steps run), got {self.plain_steps}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.warmup.steps:
+            raise ValueError(f"WarmRecipe.stop_after must be in [1, warmup.steps={self.warmup.steps}], "
+                             f"got {self.stop_after}")
+        if (self.plain_steps or self.stop_after is not None) and self.tasks != "tool_lookup":
+            raise ValueError('WarmRecipe.plain_steps and stop_after are only used with tasks = "tool_lookup"')
 
 
 DEFAULT_RECIPE: Final = WarmRecipe()
-TOOL_RECIPE: Final = WarmRecipe(tasks="tool_lookup", warmup=WarmupConfig(steps=300, prompt_loss_weight=0.0))
+TOOL_RECIPE: Final = WarmRecipe(tasks="tool_lookup", plain_steps=500, stop_after=525,
+                                warmup=WarmupConfig(steps=700, prompt_loss_weight=0.0))
 """The tool-lookup family's warm start (configs/agent-tools.toml): the default model
 and optimizer settings on reference conversations, loss on the assistant's tokens only;
-300 steps leave it weak but not hopeless (docs/results/warmup.md)."""
+500 steps without the tools list (the lookups are learnt there), then 25 with it (the
+real prompt), of a 700-step schedule: weak but not hopeless (docs/results/warmup.md)."""
 
 
 class WarmManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -140,8 +164,8 @@ def recipe_key(recipe: WarmRecipe, *, task_family: str | None = None) -> str:
     """The cache key of a recipe (24 hex digits): recipe, task family, cache format."""
     family = task_family if task_family is not None else task_family_digest(recipe.tasks)
     fields = msgspec.to_builtins(recipe)
-    if recipe.tasks == "synthetic":
-        del fields["tasks"]  # keys of recipes made before the field existed stay valid
+    if recipe.tasks == "synthetic":  # keys of recipes made before these fields existed stay valid
+        del fields["tasks"], fields["plain_steps"], fields["stop_after"]
     payload = msgspec.json.encode({"format": CACHE_FORMAT, "recipe": fields, "task_family": family})
     return hashlib.sha256(payload).hexdigest()[:24]
 
@@ -238,7 +262,7 @@ def _build(final: Path, key: str, family: str, recipe: WarmRecipe, log: Callable
     work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=parent))
     try:
         model = build_tiny_llama(recipe.model, seed=recipe.init_seed)
-        steps = recipe.warmup.steps
+        steps = recipe.warmup.steps if recipe.stop_after is None else recipe.stop_after
 
         def progress(step: int, loss: float) -> None:
             if step == 0 or (step + 1) % 25 == 0 or step + 1 == steps:
@@ -249,8 +273,8 @@ def _build(final: Path, key: str, family: str, recipe: WarmRecipe, log: Callable
             from fleetrl.actors.model.byte_tokenizer import build_byte_tokenizer
             from fleetrl.actors.recipe.tool_warmup import tool_training_batches
 
-            batches = tool_training_batches(recipe.warmup, build_byte_tokenizer())
-        result = run_warmup(model, recipe.warmup, on_step=progress, batches=batches)
+            batches = tool_training_batches(recipe.warmup, build_byte_tokenizer(), plain_steps=recipe.plain_steps)
+        result = run_warmup(model, recipe.warmup, on_step=progress, batches=batches, stop_after=recipe.stop_after)
         staging = save_tiny_llama(model, work / "model")
         files = {
             file.name: _file_digest(file) for file in sorted(staging.iterdir()) if file.is_file()

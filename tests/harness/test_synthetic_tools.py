@@ -41,7 +41,7 @@ def test_fresh_never_asks_a_training_question():
     key = lambda t: (t.metadata["path"], t.metadata["code"])  # noqa: E731
     assert not {key(t) for t in train} & {key(t) for t in fresh}
     assert all(is_tool_eval_reserved(*key(t)) for t in fresh) and not any(is_tool_eval_reserved(*key(t)) for t in train)
-    assert len({key(t) for t in fresh}) > 190  # varied
+    assert len({key(t) for t in fresh}) >= 20 and len({key(t) for t in train}) >= 150  # every pair of its share
 
 
 def test_the_answer_is_only_in_the_sandbox_file():
@@ -56,7 +56,7 @@ def test_run_tool_reads_the_tasks_files_as_the_harness_does():
     path, code = task.metadata["path"], task.metadata["code"]
     for spelled in (path, f"./{path}", f"/work/{path}"):
         assert run_tool(task, "read_file", json.dumps({"path": spelled})) == code
-    assert run_tool(task, "read_file", '{"path": "x9.txt"}') == read_error("x9.txt") == "error: cannot read x9.txt"
+    assert run_tool(task, "read_file", '{"path": "x.txt"}') == read_error("x.txt") == "error: cannot read x.txt"
     assert run_tool(task, "read_file", "{") == "error: arguments are not JSON"
     assert run_tool(task, "read_file", "{}") == "error: read_file needs a path"
     assert run_tool(task, "write_file", "{}") == "error: unknown tool write_file"
@@ -72,12 +72,12 @@ def test_reference_conversation_reads_then_answers():
     assert answer == {"role": "assistant", "content": task.metadata["code"]}
 
 
-@pytest.mark.parametrize("written", [None, "", "417", " 417 ", "4170", "417\n", "41"])
+@pytest.mark.parametrize("written", [None, "", "Q", " Q ", "QQ", "Q\n", "q"])
 def test_the_evaluator_command_agrees_with_answer_reward(tmp_path, written):
     task = make_tool_task(0, "train", 0)
     task = msgspec.structs.replace(task, evaluator=msgspec.structs.replace(
-        task.evaluator, command=task.evaluator.command.replace(task.metadata["code"], "417")),
-        metadata={**task.metadata, "code": "417"})
+        task.evaluator, command=task.evaluator.command.replace(task.metadata["code"], "Q")),
+        metadata={**task.metadata, "code": "Q"})
     if written is not None:  # the harness writes the stripped answer
         (tmp_path / ANSWER_FILE).write_text(written.strip())
     code = subprocess.run(["sh", "-c", task.evaluator.command], cwd=tmp_path, check=False).returncode

@@ -103,3 +103,25 @@ def test_tool_recipe_key_differs_and_default_key_is_unchanged():
     assert recipe_key(TOOL_RECIPE, task_family="x") != recipe_key(DEFAULT_RECIPE, task_family="x")
     # the default recipe's key as before the `tasks` field existed (cached models stay valid)
     assert recipe_key(DEFAULT_RECIPE, task_family="x") == "0560195be661bb4fac614e26"
+
+
+def test_plain_steps_render_without_the_tools_list_first(hermes):
+    from fleetrl.actors.recipe.tool_warmup import tool_training_batches
+    from fleetrl.actors.recipe.warmup import WarmupConfig
+
+    batches = tool_training_batches(WarmupConfig(steps=3, batch_size=2), hermes, plain_steps=1)
+    plain, with_tools = next(batches), next(batches)
+    first = _text(hermes, plain.input_ids_BT[0][plain.attention_mask_BT[0] == 1].tolist())
+    assert "# Tools" not in first and first.startswith("<bos><|user|>\nWhat is the code in ")
+    assert "# Tools" in _text(hermes, with_tools.input_ids_BT[0].tolist())
+    # the same targets either way: the call and the answer
+    assert (plain.labels_BT != IGNORE).sum() == (with_tools.labels_BT != IGNORE).sum()
+
+
+def test_recipe_checks_plain_steps():
+    from fleetrl.actors.recipe import WarmRecipe, WarmupConfig
+
+    with pytest.raises(ValueError, match="plain_steps"):
+        WarmRecipe(tasks="tool_lookup", plain_steps=10, warmup=WarmupConfig(steps=10))
+    with pytest.raises(ValueError, match="tool_lookup"):
+        WarmRecipe(plain_steps=1)
