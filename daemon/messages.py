@@ -3,7 +3,7 @@
 Each conversation is a closed tagged union wrapped in a `Codec` (see `protocol`):
 
 - `SAMPLER`: sampler pool <-> one sampler. `GenerateRequest` out; `Generation` or
-  `GenerateFailed` back.
+  `GenerateFailed` back, preceded by `TokenChunk`s when the request asked to stream.
 - `WEIGHTS`: trainer -> samplers, `WeightVersionAvailable`; samplers -> pool,
   `SamplerStatus`.
 - `FLEET`: the one authenticated connection of a remote sampler. `Join` first, answered
@@ -40,7 +40,7 @@ __all__ = [
     "Heartbeat", "Join", "Leave", "Pause", "Refused", "Resume", "RolloutFailed",
     "RolloutFailureKind", "RolloutGroup", "SamplerIdentity", "SamplerStatus",
     "SamplingParams", "Shutdown", "StatusReply", "StatusRequest", "SupportCSR",
-    "TokenSegment", "Trajectory", "Welcome", "WeightVersionAvailable",
+    "TokenChunk", "TokenSegment", "Trajectory", "Welcome", "WeightVersionAvailable",
 ]
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -178,6 +178,10 @@ class GenerateRequest(Message):
     prompt_ids: Tensor
     params: SamplingParams
     min_version: NonNegInt = 0
+    stream: bool = False
+    """Send the generated tokens as the sampler produces them (`TokenChunk`s before the
+    answer). Only a sender that understands `TokenChunk` sets it; a sampler of an
+    earlier release ignores it and answers with the `Generation` alone."""
 
     def __post_init__(self) -> None:
         if vector_length(self.prompt_ids, "prompt_ids", INT_DTYPES) == 0:
@@ -219,6 +223,20 @@ class Generation(Message):
     def num_tokens(self) -> int:
         """Generated tokens."""
         return self.token_ids.shape[0]
+
+
+class TokenChunk(Message):
+    """Tokens a sampler has just generated for a streamed request (``stream=True``).
+
+    The chunks of a request, in order, concatenate to a prefix of its `Generation`'s
+    ``token_ids`` (the whole of it when the sampler streams every token; see
+    docs/reference/protocol.md, "Streaming"). Only the ids travel: log-probs, support
+    and versions come with the `Generation` that ends the request. A request answered
+    by `GenerateFailed` may have had chunks before it; they are void.
+    """
+
+    request_id: str
+    token_ids: list[NonNegInt]
 
 
 class GenerateFailed(Message):
@@ -415,7 +433,7 @@ class StatusReply(Message):
 
 # --------------------------------------------------------------------------- conversations
 
-SAMPLER = Codec("sampler", [GenerateRequest, Generation, GenerateFailed], error_reply=True)
+SAMPLER = Codec("sampler", [GenerateRequest, Generation, GenerateFailed, TokenChunk], error_reply=True)
 WEIGHTS = Codec("weights", [WeightVersionAvailable, SamplerStatus])
 FLEET = Codec(
     "fleet",

@@ -6,35 +6,36 @@ one tokenisation whichever way it reaches the model.
 
 The chat layout
 ---------------
-The layout is the one of the tiny model's tokenizer (``CHAT_TEMPLATE`` of
-``fleetrl.actors.model.byte_tokenizer``; tests check that both give the same ids)::
-
-    <bos>                                  (when the tokenizer has one)
-    <|{role}|>\\n{content}<eos>\\n           (each message)
-    <|assistant|>\\n                        (the generation prompt)
-
-``<bos>`` and ``<eos>`` are the tokenizer's special ids; everything else is text. Like
-Hugging Face's ``apply_chat_template``, the text between two special tokens is encoded
-as one run, so for a byte-level tokenizer the ids equal the template's exactly.
+A prompt is the text of the model's own chat template (`ChatTokenizer.render`: for a
+Hugging Face tokenizer, ``apply_chat_template(..., tokenize=False)``) encoded with
+``encode``, which maps special-token text such as ``<eos>`` to its id. That is what
+``apply_chat_template(..., tokenize=True)`` gives, and what vLLM's chat endpoint feeds
+the same model. Messages reach the template as the dicts Hugging Face templates expect
+(`template_messages`); ``tools`` is the request's ``tools`` array, unchanged.
 
 Why reuse tokens
 ----------------
 After the model answers, the client sends the whole conversation back with the answer
 as an assistant message. Re-tokenising that text need not give the ids the model
 produced (a merging tokenizer may split it differently; an answer cut by ``max_tokens``
-may end inside a character). Training on re-tokenised ids would train on tokens the
-sampler never produced, with log-probabilities that do not belong to them. So
-`ChatHistory` keeps, for every answer, the exact ids of the prompt and of the
-generation, and a later call whose messages extend ``earlier messages + answer``
-starts from those ids; only the new messages are tokenised. A call that extends
-nothing is tokenised from scratch and the reason is recorded.
+may end inside a character; the template writes tool calls in its own JSON spelling).
+Training on re-tokenised ids would train on tokens the sampler never produced, with
+log-probabilities that do not belong to them. So `ChatHistory` keeps, for every call,
+the exact ids of the prompt and of the generation and the template's text of the
+prompt. A later call whose messages extend ``earlier messages + answer`` (same tools),
+and whose template text starts with the earlier prompt's text followed by the answer's
+turn, starts from those ids; only the text after the answer's closing eos token is
+encoded. Anything else is tokenised from scratch, and the break is recorded with its
+cause (`BREAK_CAUSES`): the attempt then has a new segment, never a stream trained
+across text the template no longer contains.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -45,20 +46,43 @@ __all__ = [
     "ChatHistory",
     "PromptPlan",
     "StopCut",
+    "ToolCall",
     "cut_at_stop_strings",
-    "render_chat",
-    "render_tail",
+    "same_message",
+    "template_messages",
 ]
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """A call of a tool in an assistant message."""
+
+    id: str
+    """``call_<24 hex>`` when fleetrl made it."""
+    name: str
+    arguments: str
+    """The JSON text of the arguments object, as OpenAI sends it."""
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    """One message: its role (system, developer, user, assistant, tool), its text ("" when
+    it has none), an assistant's tool calls, and for a tool result the call it answers."""
+
+    role: str
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 @runtime_checkable
 class ChatTokenizer(Protocol):
     """What the chat layout needs of a tokenizer.
 
-    ``encode`` turns text into ids *without* adding special tokens (text that spells a
-    special token, e.g. ``"<eos>"``, may still encode to its id, as Hugging Face
-    tokenizers do); ``decode`` turns ids into text, dropping special tokens.
-    ``bos_id`` is None for tokenizers without a beginning-of-sequence token.
+    ``render`` is the chat template's text of a conversation. ``encode`` turns text into
+    ids *without* adding special tokens; text that spells a special token (e.g.
+    ``"<eos>"``) encodes to its id, as Hugging Face tokenizers do. ``decode`` turns ids
+    into text, dropping special tokens. ``bos_id`` is None for tokenizers without a
+    beginning-of-sequence token; ``eos_token`` is the text of ``eos_id``.
     """
 
     @property
@@ -68,60 +92,69 @@ class ChatTokenizer(Protocol):
     def eos_id(self) -> int: ...
 
     @property
+    def eos_token(self) -> str: ...
+
+    @property
     def vocab_size(self) -> int: ...
+
+    def render(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None,
+               add_generation_prompt: bool) -> str: ...
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
-    """One message as the layout sees it: a role and its text."""
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
-    role: str
-    content: str
 
-
-def _pieces(messages: Sequence[ChatMessage], eos: int, *, leading_newline: bool) -> list[str | int]:
-    out: list[str | int] = ["\n"] if leading_newline else []
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """``messages`` as the dicts Hugging Face chat templates expect: ``role``,
+    ``content``; ``tool_calls`` as ``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]`` with the arguments as an object when their JSON parses (templates
+    write them with ``tojson``), else the text; ``tool_call_id`` and ``name`` when set."""
+    out: list[dict[str, Any]] = []
     for m in messages:
-        out.extend((f"<|{m.role}|>\n{m.content}", eos, "\n"))
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
     return out
 
 
-def _encode_pieces(tok: ChatTokenizer, pieces: Sequence[str | int]) -> list[int]:
-    """Encode text runs (adjacent strings joined) and keep special ids as they are."""
-    ids: list[int] = []
-    run: list[str] = []
-    for p in pieces:
-        if isinstance(p, str):
-            run.append(p)
-            continue
-        if run:
-            ids.extend(tok.encode("".join(run)))
-            run = []
-        ids.append(p)
-    if run:
-        ids.extend(tok.encode("".join(run)))
-    return ids
+def _call_key(c: ToolCall) -> tuple[str, str, str]:
+    args = _json_or_text(c.arguments)
+    return c.id, c.name, json.dumps(args, sort_keys=True) if not isinstance(args, str) else "\0" + args
 
 
-def render_chat(tok: ChatTokenizer, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
-    """The ids of ``messages`` in the chat layout, tokenised once from scratch."""
-    pieces: list[str | int] = [] if tok.bos_id is None else [tok.bos_id]
-    pieces += _pieces(messages, tok.eos_id, leading_newline=False)
-    if add_generation_prompt:
-        pieces.append("<|assistant|>\n")
-    return _encode_pieces(tok, pieces)
+def same_message(a: ChatMessage, b: ChatMessage) -> bool:
+    """Whether two messages are the same for the history: every field equal, tool-call
+    arguments compared as parsed JSON (a client may re-serialise them)."""
+    if a == b:
+        return True
+    return (a.role, a.content, a.tool_call_id, a.name, len(a.tool_calls)) == (
+        b.role, b.content, b.tool_call_id, b.name, len(b.tool_calls)
+    ) and all(_call_key(x) == _call_key(y) for x, y in zip(a.tool_calls, b.tool_calls))
 
 
-def render_tail(tok: ChatTokenizer, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
-    """The ids that follow a context ending with a message's ``<eos>``: the newline
-    that closes that message, then ``messages``, then the generation prompt."""
-    pieces = _pieces(messages, tok.eos_id, leading_newline=True)
-    if add_generation_prompt:
-        pieces.append("<|assistant|>\n")
-    return _encode_pieces(tok, pieces)
+def _same_messages(a: Sequence[ChatMessage], b: Sequence[ChatMessage]) -> bool:
+    return len(a) == len(b) and all(same_message(x, y) for x, y in zip(a, b))
+
+
+def _tools_key(tools: Sequence[dict] | None) -> str | None:
+    """The tools of a call, comparable: None for no tools (or an empty list)."""
+    return json.dumps(list(tools), sort_keys=True) if tools else None
 
 
 # --------------------------------------------------------------------------- stop strings
@@ -191,13 +224,22 @@ def cut_at_stop_strings(tok: ChatTokenizer, ids: Sequence[int], stops: Sequence[
 
 
 BREAK_CAUSES: tuple[str, ...] = ("answer_rewritten", "history_rewritten", "history_truncated",
-                                  "answer_not_reusable")
+                                  "answer_not_reusable", "template_rewrote_history")
 """Why a chat call after the first did not extend an earlier call token for token (a
 retokenisation break: the attempt continues in a new segment, trained with its own
-context): the harness changed the model's answer (``answer_rewritten``: reformatted,
-reasoning dropped), rewrote earlier history (``history_rewritten``), sent fewer messages
-(``history_truncated``: a context-window trim), or the answer was cut inside a token by
-a stop string (``answer_not_reusable``)."""
+context). Compared with the previous call:
+
+- ``answer_rewritten``: the harness changed the model's answer (reformatted it, dropped
+  its reasoning, changed a tool call);
+- ``history_rewritten``: an earlier message changed, or the ``tools`` differ (the
+  template writes them into the prompt);
+- ``history_truncated``: fewer messages (a context-window trim);
+- ``answer_not_reusable``: the answer was cut inside a token by a stop string, or the
+  template does not close the answer's turn with the eos token;
+- ``template_rewrote_history``: the messages extend the earlier call's, but the chat
+  template renders the new conversation so that its text no longer starts with the
+  earlier prompt followed by the answer's turn (e.g. a template that drops the
+  reasoning of earlier turns)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +252,8 @@ class PromptPlan:
     was tokenised from scratch (None when it extends a call). ``cause``: for a call
     after the first that starts a new segment, the kind of break (one of
     `BREAK_CAUSES`); None for the first call and for a call that extends one.
+    ``text``: the chat template's text of the conversation (with the generation
+    prompt); ``tools``: the tools it was rendered with.
     """
 
     ids: list[int]
@@ -217,6 +261,8 @@ class PromptPlan:
     reused: int
     reason: str | None
     cause: str | None = None
+    text: str = ""
+    tools: tuple[dict, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +270,8 @@ class _Known:
     call: int
     prompt_messages: tuple[ChatMessage, ...]
     prompt_ids: tuple[int, ...]
+    prompt_text: str  # the template's text of the prompt (T_k), with the generation prompt
+    tools: str | None  # `_tools_key` of the call's tools
     answer: ChatMessage | None  # None: the answer cannot stand in a later prompt
     answer_ids: tuple[int, ...]  # the generated ids standing for it, through <eos>
 
@@ -235,35 +283,74 @@ class ChatHistory:
     tokenizer: ChatTokenizer
     _known: list[_Known] = field(default_factory=list)
 
-    def plan(self, messages: Sequence[ChatMessage]) -> PromptPlan:
-        """The prompt ids for a call with ``messages``: reuse the longest earlier
-        ``messages + answer`` it extends, else tokenise from scratch."""
+    def plan(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None = None) -> PromptPlan:
+        """The prompt ids for a call with ``messages`` and ``tools``: the ids of the
+        longest earlier ``messages + answer`` it extends (same tools, and the template's
+        text agrees), else the template's text tokenised from scratch."""
         msgs = tuple(messages)
-        best: tuple[int, list[int], int] | None = None  # (messages covered, ids, call)
+        key = _tools_key(tools)
+        kept_tools = tuple(tools) if tools is not None else None
+        candidates: list[tuple[int, _Known]] = []  # (messages covered, call)
         for k in reversed(self._known):
-            if msgs == k.prompt_messages:
-                return PromptPlan(list(k.prompt_ids), k.call, len(k.prompt_ids), None)
+            if k.tools != key:
+                continue
+            if _same_messages(msgs, k.prompt_messages):
+                return PromptPlan(list(k.prompt_ids), k.call, len(k.prompt_ids), None,
+                                  text=k.prompt_text, tools=kept_tools)
             if k.answer is None:
                 continue
             n = len(k.prompt_messages) + 1
-            if len(msgs) >= n and msgs[:n - 1] == k.prompt_messages and msgs[n - 1] == k.answer:
-                if best is None or n > best[0]:
-                    best = (n, [*k.prompt_ids, *k.answer_ids], k.call)
-        if best is not None:
-            n, context, call = best
-            ids = context + render_tail(self.tokenizer, msgs[n:])
-            return PromptPlan(ids, call, len(context), None)
-        cause, reason = self._why_not(msgs)
-        return PromptPlan(render_chat(self.tokenizer, msgs), None, 0, reason, cause)
+            if (len(msgs) >= n and _same_messages(msgs[:n - 1], k.prompt_messages)
+                    and same_message(msgs[n - 1], k.answer)):
+                candidates.append((n, k))
+        text = self.tokenizer.render(msgs, tools, True)
+        first_miss: tuple[str, str] | None = None
+        for n, k in sorted(candidates, key=lambda c: -c[0]):  # the longest first; stable: the latest first
+            tail, miss = self._tail(k, msgs[:n], tools, text)
+            if tail is not None:
+                context = [*k.prompt_ids, *k.answer_ids]
+                return PromptPlan([*context, *self.tokenizer.encode(tail)], k.call, len(context), None,
+                                  text=text, tools=kept_tools)
+            first_miss = first_miss or miss
+        cause, reason = first_miss or self._why_not(msgs, key)
+        return PromptPlan(self.tokenizer.encode(text), None, 0, reason, cause, text=text, tools=kept_tools)
 
-    def _why_not(self, msgs: tuple[ChatMessage, ...]) -> tuple[str | None, str]:
+    def _tail(self, k: _Known, upto: tuple[ChatMessage, ...], tools: Sequence[dict] | None,
+              text: str) -> tuple[str | None, tuple[str, str] | None]:
+        """The text that follows call ``k``'s answer in ``text`` (the template's text of
+        the new conversation, whose first messages ``upto`` are k's prompt and answer),
+        or None and (cause, reason) when the template's text does not extend k's."""
+        rewrote = ("template_rewrote_history",
+                   f"the chat template's text of the conversation does not extend that of call {k.call} "
+                   "followed by its answer")
+        if not text.startswith(k.prompt_text):
+            return None, rewrote
+        with_answer = self.tokenizer.render(upto, tools, False)
+        if not with_answer.startswith(k.prompt_text):
+            return None, rewrote
+        # the answer's turn as the template writes it; its last eos token closes it (the
+        # last, not the first: the answer's own text may spell the eos token)
+        turn = with_answer[len(k.prompt_text):]
+        eos = self.tokenizer.eos_token
+        at = turn.rfind(eos)
+        if not eos or at < 0:
+            return None, ("answer_not_reusable",
+                          f"the chat template does not close call {k.call}'s answer with {eos!r}")
+        through = len(k.prompt_text) + at + len(eos)
+        if not text.startswith(with_answer[:through]):
+            return None, rewrote
+        return text[through:], None
+
+    def _why_not(self, msgs: tuple[ChatMessage, ...], tools: str | None) -> tuple[str | None, str]:
         """(cause, reason) of a prompt that extends no earlier call (see `BREAK_CAUSES`)."""
         if not self._known:
             return None, "first call of the attempt"
         k = self._known[-1]
+        if k.tools != tools:
+            return "history_rewritten", f"the tools differ from those of call {k.call}"
         expected = [*k.prompt_messages, *([k.answer] if k.answer is not None else [])]
         for i, (got, want) in enumerate(zip(msgs, expected)):
-            if got != want:
+            if not same_message(got, want):
                 if i == len(k.prompt_messages):
                     return "answer_rewritten", f"message {i} ({got.role}) differs from the answer of call {k.call}"
                 return "history_rewritten", f"message {i} ({got.role}) differs from the conversation of call {k.call}"
@@ -276,20 +363,21 @@ class ChatHistory:
         self,
         call: int,
         messages: Sequence[ChatMessage],
-        prompt_ids: Sequence[int],
+        plan: PromptPlan,
         generated: Sequence[int],
-        answer_text: str,
+        answer: ChatMessage,
         context_tokens: int | None,
     ) -> None:
-        """Remember call ``call``: its prompt, and the answer the client saw.
+        """Remember call ``call``: its prompt (as ``plan`` built it, with its text and
+        tools), and the answer the client saw (its content and tool calls).
 
-        ``context_tokens`` generated ids (a prefix of ``generated``) spell exactly
-        ``answer_text``; None when no prefix does (the answer then cannot be reused).
-        The answer's ids end with ``<eos>``: the generated one when the model ended
-        with it, else one is added (the layout closes every message with it).
+        ``context_tokens`` generated ids (a prefix of ``generated``) spell exactly the
+        answer's text; None when no prefix does (the answer then cannot be reused).
+        The answer's ids end with the eos token: the generated one when the model ended
+        with it, else one is added (the template closes the answer's turn with it).
         """
         eos = self.tokenizer.eos_id
-        answer: ChatMessage | None = None
+        kept_answer: ChatMessage | None = None
         answer_ids: tuple[int, ...] = ()
         if context_tokens is not None:
             kept = list(generated[:context_tokens])
@@ -297,6 +385,7 @@ class ChatHistory:
                 kept.append(eos)  # the <eos> that ended it
             elif not kept or kept[-1] != eos:
                 kept.append(eos)
-            answer = ChatMessage("assistant", answer_text)
+            kept_answer = answer
             answer_ids = tuple(kept)
-        self._known.append(_Known(call, tuple(messages), tuple(prompt_ids), answer, answer_ids))
+        self._known.append(_Known(call, tuple(messages), tuple(plan.ids), plan.text, _tools_key(plan.tools),
+                                  kept_answer, answer_ids))

@@ -125,6 +125,25 @@ class ExternalCommand(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError(f"ExternalCommand.output_cap_bytes must be >= 0, got {self.output_cap_bytes}")
 
 
+    def relative_to(self, base: str) -> ExternalCommand:
+        """This command with its relative paths made absolute against ``base`` (the
+        directory the daemon started in, which config paths are relative to): ``argv[0]``
+        when it names a path (holds a ``/``), every other element that starts with
+        ``./`` or ``../``, and ``cwd``. A bare program name is still looked up in PATH;
+        the command itself runs in a fresh temporary directory (``cwd`` unset), where
+        relative paths would otherwise miss."""
+        def fix(a: str, first: bool) -> str:
+            if os.path.isabs(a) or "{" in a.split("/", 1)[0]:
+                return a
+            if (first and "/" in a) or a.startswith(("./", "../")):
+                return os.path.normpath(os.path.join(base, a))
+            return a
+
+        argv = tuple(fix(a, i == 0) for i, a in enumerate(self.argv))
+        cwd = self.cwd if self.cwd is None or os.path.isabs(self.cwd) else os.path.join(base, self.cwd)
+        return msgspec.structs.replace(self, argv=argv, cwd=cwd)
+
+
 class ExternalEpisode(Episode, frozen=True, kw_only=True):
     """An `Episode` of an external command: ``exit_code`` (None when it was killed),
     ``timed_out``, ``killed_pids`` (every process of its tree that was signalled), and

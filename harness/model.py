@@ -8,8 +8,13 @@ its ``tokenizer`` (`chat.ChatTokenizer`: encode, decode, special ids). The sampl
 (actors/) implements it; tests use in-memory fakes and an adapter over the torch
 backend.
 
+A client may also stream: ``stream(prompt_ids, params)`` (`StreamingModelClient`)
+yields zero or more `TokenChunk`s as the sampler produces tokens, then exactly one
+`Generation`, the one ``generate`` would return. `stream_generation` streams from any
+client, one without ``stream`` as its final `Generation` alone.
+
 `HFChatTokenizer` adapts a Hugging Face tokenizer (object or saved directory) to
-`ChatTokenizer`. `RecordedModel` makes chat and completion calls through an
+`ChatTokenizer`: prompts are rendered by the tokenizer's own chat template. `RecordedModel` makes chat and completion calls through an
 `recording.AttemptRecorder`, so every call a built-in harness makes is recorded
 token-exactly, exactly as calls through the endpoint are.
 """
@@ -17,12 +22,13 @@ token-exactly, exactly as calls through the endpoint are.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from typing import Any, Protocol, runtime_checkable
 
-from fleetrl.daemon.messages import Generation, SamplingParams
+from fleetrl.daemon.messages import Generation, SamplingParams, TokenChunk
 
-from .chat import ChatMessage, ChatTokenizer
+from .chat import ChatMessage, ChatTokenizer, template_messages
 from .errors import ModelUnavailable
 from .recording import AttemptRecorder, CallRecord
 
@@ -32,6 +38,9 @@ __all__ = [
     "ModelClient",
     "ModelUnavailable",
     "RecordedModel",
+    "StreamingModelClient",
+    "TokenChunk",
+    "stream_generation",
 ]
 
 
@@ -49,6 +58,40 @@ class ModelClient(Protocol):
         ...
 
 
+@runtime_checkable
+class StreamingModelClient(ModelClient, Protocol):
+    """A `ModelClient` that streams its tokens (the sampler pool's and the local clients
+    of actors/envworker/model.py)."""
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[TokenChunk | Generation]:
+        """Continue ``prompt_ids``, streamed: zero or more `TokenChunk` (``token_ids``: the
+        tokens the sampler has produced since the last chunk, in order) as the sampler
+        produces them, then exactly one `Generation`, the same ``generate`` returns.
+
+        The chunks concatenate to a prefix of the Generation's ``token_ids`` (all of it
+        when the sampler streams every token, as the torch and vLLM samplers do; none of
+        it from a sampler that does not stream): a reader sends on the chunks as they
+        come and the rest of ``token_ids``, if any, at the end. Raises
+        `ModelUnavailable` when it cannot (also after some chunks: a stream whose
+        sampler is lost is not resumed elsewhere). Close it early with
+        ``contextlib.aclosing`` to give the request up."""
+        ...
+
+
+async def stream_generation(model: ModelClient, prompt_ids: Sequence[int], params: SamplingParams
+                            ) -> AsyncIterator[TokenChunk | Generation]:
+    """``model.stream(prompt_ids, params)`` when the client streams, else the one
+    `Generation` of ``model.generate`` (no chunks): `StreamingModelClient.stream` for
+    any client. Use it inside ``contextlib.aclosing``."""
+    stream = getattr(model, "stream", None)
+    if stream is None:
+        yield await model.generate(prompt_ids, params)
+        return
+    async with aclosing(stream(prompt_ids, params)) as items:
+        async for item in items:
+            yield item
+
+
 # A client may also offer ``for_attempt(attempt_id) -> ModelClient``: a view whose
 # requests carry the attempt's id (the sampler pool's client does: its logs, prompt
 # affinity and pacing go by attempt). The endpoint and the environment worker use it
@@ -58,13 +101,20 @@ class ModelClient(Protocol):
 class HFChatTokenizer:
     """A Hugging Face tokenizer as a `ChatTokenizer`.
 
-    ``encode`` adds no special tokens (text spelling a special token still maps to its
-    id, as in ``apply_chat_template``); ``decode`` skips special tokens.
+    ``render`` is ``apply_chat_template(..., tokenize=False)`` with the tokenizer's own
+    chat template; ``encode`` adds no special tokens (text spelling a special token
+    still maps to its id, as in ``apply_chat_template(..., tokenize=True)``);
+    ``decode`` skips special tokens.
     """
 
     def __init__(self, hf: Any) -> None:
         if hf.eos_token_id is None:
             raise ValueError("HFChatTokenizer: the tokenizer has no eos token; the chat layout needs one")
+        if not getattr(hf, "chat_template", None):
+            raise ValueError(
+                "HFChatTokenizer: the tokenizer has no chat template, so chat prompts cannot be rendered; "
+                "use the model's instruct/chat tokenizer, or add one (a chat_template.jinja file or "
+                "\"chat_template\" in tokenizer_config.json of the tokenizer directory)")
         self.hf = hf
         self._bos: int | None = hf.bos_token_id
         self._eos: int = int(hf.eos_token_id)
@@ -86,8 +136,18 @@ class HFChatTokenizer:
         return self._eos
 
     @property
+    def eos_token(self) -> str:
+        return str(self.hf.eos_token)
+
+    @property
     def vocab_size(self) -> int:
         return self._vocab
+
+    def render(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None,
+               add_generation_prompt: bool) -> str:
+        return self.hf.apply_chat_template(
+            template_messages(messages), tools=list(tools) if tools is not None else None,
+            add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -120,12 +180,15 @@ class RecordedModel:
             seed=params.seed,
         )
 
-    async def chat(self, messages: Sequence[ChatMessage], params: SamplingParams, *, stop: Sequence[str] = ()) -> CallRecord:
-        """One chat call: prompt from the recorder's history, ``<eos>`` always a stop id."""
+    async def chat(self, messages: Sequence[ChatMessage], params: SamplingParams, *, stop: Sequence[str] = (),
+                   tools: Sequence[dict] | None = None, parse_tool_calls: bool = False) -> CallRecord:
+        """One chat call: prompt from the recorder's history, ``<eos>`` always a stop id;
+        ``tools`` go to the chat template, and with ``parse_tool_calls`` the answer's
+        tool calls are parsed (see `AttemptRecorder.record_chat`)."""
         msgs = tuple(messages)
-        plan = self.recorder.plan_chat(msgs)
+        plan = self.recorder.plan_chat(msgs, tools)
         gen = await self.model.generate(plan.ids, self._params(params))
-        return self.recorder.record_chat(msgs, plan, gen, stops=stop)
+        return self.recorder.record_chat(msgs, plan, gen, stops=stop, tools=tools, parse_tool_calls=parse_tool_calls)
 
     async def complete(self, prompt_ids: Sequence[int], params: SamplingParams, *, stop: Sequence[str] = ()) -> CallRecord:
         """One completion call on raw prompt ids, ``<eos>`` always a stop id."""

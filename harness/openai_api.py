@@ -20,14 +20,28 @@ user's guide; in short:
   ``{"error": {"message", "type", "param", "code"}}``; an unknown model 404; a prompt
   longer than the context 400 with code ``context_length_exceeded``; a model failure
   503. No request makes the app fail: an unexpected error is a 500 of the same shape.
+* ``n`` choices are ``n`` generations of the same prompt, run concurrently, each
+  recorded as its own call (the conversation then extends whichever choice the client
+  sends back). With a ``seed``, choice ``i`` samples with ``seed + i``.
+* With ``tools`` (and ``tool_choice`` ``"auto"``, the default then), each answer is
+  parsed for tool calls in the chat template's format; an answer that does not parse
+  comes back as plain content and is counted (``app.state.tool_calls``, and the
+  call's ``tool_call_parse_failure``).
 * Floods are refused, never queued: a call over the per-attempt limit on calls in
   flight, or over the total limit on calls waiting for the model, gets 429 at once
   with a ``Retry-After`` header (`openai_limits`); it is not recorded, and the calls
   already admitted run and are recorded as usual. ``app.state.limits`` counts them.
 
-Streaming: the sampler protocol answers a request with a whole `Generation`, so a
-streamed response is produced once the generation is complete, as OpenAI's chunk
-format (``chat.completion.chunk`` / ``text_completion``) ending with ``data: [DONE]``.
+Streaming (``stream: true``): each choice's text is sent as the sampler produces its
+tokens (the model client's ``stream``, `model.stream_generation`), in OpenAI's chunk
+format (``chat.completion.chunk`` / ``text_completion``): the role, then text pieces
+as they become certain (`openai_stream.TextStreamer`: not a stop string nor a tail that
+may start one, not a tool-call block), then, once the call is recorded, the rest of the
+text, the tool calls and the finish with the choice's log-probabilities; the usage when
+asked, and ``data: [DONE]``. A model failure after the stream began is an ``error``
+event before ``[DONE]`` (the status line is already sent). A client that disconnects
+gives its generations up; nothing of that request is recorded. The request's slots
+(`openai_limits`) are held until its stream ends.
 
 This module holds the routes (I/O); the rest is pure and lives beside it: the
 attempts in `attempts`, request checking in `openai_request`, response bodies and
@@ -38,36 +52,47 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import ExitStack, aclosing
 from typing import Any
 
+import msgspec
 import structlog
+import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from fleetrl.daemon.messages import Generation, SamplingParams
+from fleetrl.daemon.messages import Generation, SamplingParams, TokenChunk
 
 from .attempts import ATTEMPT_HEADER, AttemptRegistry, resolve_attempt
-from .recording import AttemptRecorder
+from .recording import AttemptRecorder, CallRecord
 from .errors import ApiError, ModelUnavailable
-from .model import ModelClient
+from .model import ModelClient, stream_generation
 from .openai_limits import CallLimits
 from .openai_request import EndpointConfig, chat_request, completion_request, parse_body, sampling_params
 from .openai_response import (
     CALL_HEADER,
     IGNORED_HEADER,
     Reply,
+    DONE,
     chat_body,
-    chat_events,
+    chat_content_chunk,
+    chat_final_chunks,
     chat_logprobs,
+    chat_role_chunk,
     completion_body,
-    completion_events,
+    completion_chunk,
     completion_logprobs,
+    finish_reason,
     response_headers,
+    sse,
+    usage_chunk,
 )
+from .openai_stream import TextStreamer
 
 __all__ = [
     "ATTEMPT_HEADER",
@@ -76,10 +101,52 @@ __all__ = [
     "ApiError",
     "AttemptRegistry",
     "EndpointConfig",
+    "ToolCallCounts",
+    "ToolCallStatistics",
     "create_app",
 ]
 
 _log = structlog.get_logger("fleetrl.harness.openai_api")
+
+
+class ToolCallStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """Tool calling so far. ``answers_parsed``: chat answers parsed for tool calls
+    (requests with tools and ``tool_choice`` ``"auto"``, one per choice);
+    ``answers_with_tool_calls``: those that held at least one; ``tool_calls``: the
+    calls returned; ``parse_failures``: answers with a tool-call block that did not
+    parse (returned as plain content)."""
+
+    answers_parsed: int
+    answers_with_tool_calls: int
+    tool_calls: int
+    parse_failures: int
+
+
+class ToolCallCounts:
+    """The counters behind `ToolCallStatistics` (``app.state.tool_calls``)."""
+
+    def __init__(self) -> None:
+        self.answers_parsed = self.answers_with_tool_calls = self.tool_calls = self.parse_failures = 0
+
+    def count(self, rec: CallRecord) -> None:
+        """Count the answer of a call that was parsed for tool calls."""
+        self.answers_parsed += 1
+        self.answers_with_tool_calls += bool(rec.tool_calls)
+        self.tool_calls += len(rec.tool_calls)
+        self.parse_failures += rec.tool_call_parse_failure is not None
+
+    def statistics(self) -> ToolCallStatistics:
+        return ToolCallStatistics(answers_parsed=self.answers_parsed,
+                                  answers_with_tool_calls=self.answers_with_tool_calls,
+                                  tool_calls=self.tool_calls, parse_failures=self.parse_failures)
+
+
+def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of ``n`` choices: with a seed, choice ``i`` uses ``seed + i``
+    (the same seed would give ``n`` equal answers)."""
+    if params.seed is None:
+        return [params] * n
+    return [msgspec.structs.replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
 
 
 def _error_response(err: ApiError) -> JSONResponse:
@@ -87,12 +154,48 @@ def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body, status_code=err.status, headers=headers)
 
 
-def _streamed(events: list[bytes], headers: dict[str, str]) -> StreamingResponse:
-    async def each() -> AsyncIterator[bytes]:
-        for event in events:
-            yield event
+Emit = Callable[[bytes], Awaitable[None]]
 
-    return StreamingResponse(each(), media_type="text/event-stream", headers=headers)
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream written by ``produce(emit)`` while it runs, in this
+    request's task (no generator suspended across a nursery): a client disconnect
+    cancels ``produce``; ``slots`` (the request's limits) close when the stream ends."""
+
+    def __init__(self, produce: Callable[[Emit], Awaitable[None]], headers: dict[str, str], slots: ExitStack) -> None:
+        super().__init__((), media_type="text/event-stream", headers=headers)
+        self.produce = produce
+        self.slots = slots
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with self.slots, trio.CancelScope() as stream_scope:
+            lock = trio.Lock()
+            gone = False
+
+            async def emit(data: bytes) -> None:
+                nonlocal gone
+                async with lock:  # choices stream concurrently; one body message at a time
+                    try:
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                    except OSError:  # the client left
+                        gone = True
+                        stream_scope.cancel()
+                        await trio.lowlevel.checkpoint()
+
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async with trio.open_nursery() as nursery:
+                async def disconnect() -> None:
+                    nonlocal gone
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    gone = True
+                    stream_scope.cancel()
+
+                nursery.start_soon(disconnect)
+                await self.produce(emit)
+                nursery.cancel_scope.cancel()
+            if not gone:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def create_app(
@@ -106,10 +209,12 @@ def create_app(
 
     The registry's tokenizer must be the model's (ids are the model's vocabulary).
     ``app.state.registry`` and ``app.state.config`` hold the two for the caller,
-    ``app.state.limits`` the `CallLimits` (its statistics).
+    ``app.state.limits`` the `CallLimits` (its statistics), ``app.state.tool_calls``
+    the `ToolCallCounts`.
     """
     tok = registry.tokenizer
     limits = CallLimits(per_attempt=config.max_concurrent_calls_per_attempt, waiting=config.max_waiting_calls)
+    tool_counts = ToolCallCounts()
 
     async def read_json(request: Request) -> dict:
         declared = request.headers.get("content-length")
@@ -123,65 +228,189 @@ def create_app(
             chunks.append(chunk)
         return parse_body(b"".join(chunks), request.headers.get("content-type", "(none)"))
 
-    async def generate(key: str, attempt_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(key: str, attempt_id: str, prompt_ids: list[int], params: SamplingParams,
+                       n: int) -> list[Generation]:
+        """``n`` generations of ``prompt_ids``, run concurrently; each holds a waiting
+        slot, all taken before any starts (so a busy endpoint refuses the request
+        whole). One failing fails the request (503) and cancels the others."""
         # a client that tags requests by attempt (the sampler pool's: its logs, prompt
         # affinity and pacing go by attempt) answers through its view of this attempt
         client = model.for_attempt(attempt_id) if hasattr(model, "for_attempt") else model
-        try:
-            with limits.model_slot():
-                gen = await client.generate(prompt_ids, params)
-        except ModelUnavailable as err:
-            raise ApiError(503, f"the model could not answer: {err}", type="server_error",
-                           code="model_unavailable") from None
+        gens: list[Generation | None] = [None] * n
+        failures: list[ModelUnavailable] = []
+
+        async def one(i: int, p: SamplingParams, cancel: trio.CancelScope | None) -> None:
+            try:
+                gens[i] = await client.generate(prompt_ids, p)
+            except ModelUnavailable as err:
+                failures.append(err)
+                if cancel is not None:
+                    cancel.cancel()
+
+        with ExitStack() as slots:
+            for _ in range(n):
+                slots.enter_context(limits.model_slot())
+            choice_params = _choice_params(params, n)
+            if n == 1:
+                await one(0, choice_params[0], None)
+            else:
+                async with trio.open_nursery() as nursery:
+                    for i, p in enumerate(choice_params):
+                        nursery.start_soon(one, i, p, nursery.cancel_scope)
+        if failures:
+            raise ApiError(503, f"the model could not answer: {failures[0]}", type="server_error",
+                           code="model_unavailable")
         if registry.recorder(key) is None:
             raise ApiError(401, "the attempt was closed while this call ran; the call was not recorded",
                            type="authentication_error", code="attempt_closed")
-        return gen
+        assert all(g is not None for g in gens)
+        return gens  # type: ignore[return-value]
+
+    def log_ignored(recorder: AttemptRecorder, recs: Sequence[CallRecord], ignored: Sequence[str]) -> None:
+        if ignored:
+            _log.warning("openai request parameters ignored", attempt_id=recorder.attempt_id,
+                         call=recs[0].index if len(recs) == 1 else [r.index for r in recs], ignored=list(ignored))
 
     def reply(prefix: str) -> Reply:
         return Reply(id=f"{prefix}-{secrets.token_hex(12)}", created=int(clock()), model=config.model_name)
 
+    async def streamed_choices(emit: Emit, key: str, attempt_id: str, prompt_ids: list[int],
+                               params: SamplingParams, n: int, streamers: list[TextStreamer],
+                               piece: Callable[[int, str], dict[str, Any]]) -> list[Generation]:
+        """``n`` generations of ``prompt_ids`` streamed concurrently: each choice's safe
+        text goes out as ``piece(i, text)`` chunks while it is generated (module
+        docstring). One failing cancels the others: an `ApiError` 503."""
+        client = model.for_attempt(attempt_id) if hasattr(model, "for_attempt") else model
+        gens: list[Generation | None] = [None] * n
+        failures: list[ModelUnavailable] = []
+
+        async def one(i: int, p: SamplingParams, cancel: trio.CancelScope) -> None:
+            ids: list[int] = []
+            try:
+                async with aclosing(stream_generation(client, prompt_ids, p)) as items:
+                    async for item in items:
+                        if isinstance(item, TokenChunk):
+                            ids.extend(item.token_ids)
+                            text = streamers[i].push(ids)
+                            if text:
+                                await emit(sse(piece(i, text)))
+                        else:
+                            gens[i] = item
+            except ModelUnavailable as err:
+                failures.append(err)
+                cancel.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for i, p in enumerate(_choice_params(params, n)):
+                nursery.start_soon(one, i, p, nursery.cancel_scope)
+        if failures or any(g is None for g in gens):
+            raise ApiError(503, f"the model could not answer: {failures[0] if failures else 'no generation'}",
+                           type="server_error", code="model_unavailable")
+        if registry.recorder(key) is None:
+            raise ApiError(401, "the attempt was closed while this call ran; the call was not recorded",
+                           type="authentication_error", code="attempt_closed")
+        return gens  # type: ignore[return-value]
+
+    def event_stream(slots: ExitStack, n: int, produce: Callable[[Emit], Awaitable[None]]) -> _EventStream:
+        """The streamed response of a request whose slots are ``slots`` (taken over: held
+        until the stream ends): its ``n`` model slots are taken now (429 before the stream
+        begins), then ``produce`` writes the events; a failure is an error event."""
+        for _ in range(n):
+            slots.enter_context(limits.model_slot())
+
+        async def guarded(emit: Emit) -> None:
+            try:
+                await produce(emit)
+            except ApiError as err:
+                _log.warning("openai stream failed", status=err.status, code=err.code, error=err.message)
+                await emit(sse(err.body))
+                await emit(DONE)
+
+        return _EventStream(guarded, {}, slots.pop_all())
+
     async def chat_completions(request: Request) -> Response:
         key, recorder = resolve_attempt(registry, request.headers)
-        with limits.attempt_slot(key):
-            return await chat_call(request, key, recorder)
+        with ExitStack() as slots:
+            slots.enter_context(limits.attempt_slot(key))
+            return await chat_call(request, key, recorder, slots)
 
-    async def chat_call(request: Request, key: str, recorder: AttemptRecorder) -> Response:
+    async def chat_call(request: Request, key: str, recorder: AttemptRecorder, slots: ExitStack) -> Response:
         req = chat_request(await read_json(request), config)
         c = req.common
-        plan = recorder.plan_chat(req.messages)
+        plan = recorder.plan_chat(req.messages, req.tools)
         params = sampling_params(c, req.max_tokens, len(plan.ids), config, tok.eos_id, "messages")
-        gen = await generate(key, recorder.attempt_id, plan.ids, params)
-        rec = recorder.record_chat(req.messages, plan, gen, stops=c.stops, ignored_params=req.ignored)
-        if req.ignored:
-            _log.warning("openai request parameters ignored", attempt_id=recorder.attempt_id, call=rec.index,
-                         ignored=req.ignored)
         r = reply("chatcmpl")
-        logprobs = chat_logprobs(tok, rec, req.top_logprobs) if req.logprobs else None
+
+        def record(gens: Sequence[Generation]) -> tuple[list[CallRecord], list[Any]]:
+            recs = [recorder.record_chat(req.messages, plan, gen, stops=c.stops, ignored_params=req.ignored,
+                                         tools=req.tools, parse_tool_calls=req.parse_tool_calls) for gen in gens]
+            if req.parse_tool_calls:
+                for rec in recs:
+                    tool_counts.count(rec)
+            log_ignored(recorder, recs, req.ignored)
+            return recs, [chat_logprobs(tok, rec, req.top_logprobs) if req.logprobs else None for rec in recs]
+
         if not c.stream:
-            return JSONResponse(chat_body(r, rec, logprobs), headers=response_headers(rec))
-        return _streamed(chat_events(r, tok, rec, logprobs, include_usage=c.include_usage), response_headers(rec))
+            recs, logprobs = record(await generate(key, recorder.attempt_id, plan.ids, params, c.n))
+            return JSONResponse(chat_body(r, recs, logprobs), headers=response_headers(recs))
+
+        streamers = [TextStreamer(tok, stops=c.stops, tool_calls=req.parse_tool_calls) for _ in range(c.n)]
+
+        async def produce(emit: Emit) -> None:
+            for i in range(c.n):
+                await emit(sse(chat_role_chunk(r, i)))
+            gens = await streamed_choices(emit, key, recorder.attempt_id, plan.ids, params, c.n, streamers,
+                                          lambda i, text: chat_content_chunk(r, i, text))
+            recs, logprobs = record(gens)
+            for i, (rec, lp) in enumerate(zip(recs, logprobs)):
+                if rest := streamers[i].rest(rec.text):
+                    await emit(sse(chat_content_chunk(r, i, rest)))
+                for chunk in chat_final_chunks(r, i, rec, lp):
+                    await emit(sse(chunk))
+            if c.include_usage:
+                await emit(sse(usage_chunk(r, "chat.completion.chunk", recs)))
+            await emit(DONE)
+
+        return event_stream(slots, c.n, produce)
 
     async def completions(request: Request) -> Response:
         key, recorder = resolve_attempt(registry, request.headers)
-        with limits.attempt_slot(key):
-            return await completion_call(request, key, recorder)
+        with ExitStack() as slots:
+            slots.enter_context(limits.attempt_slot(key))
+            return await completion_call(request, key, recorder, slots)
 
-    async def completion_call(request: Request, key: str, recorder: AttemptRecorder) -> Response:
+    async def completion_call(request: Request, key: str, recorder: AttemptRecorder, slots: ExitStack) -> Response:
         req = completion_request(await read_json(request), config, tok)
         c = req.common
         params = sampling_params(c, req.max_tokens, len(req.prompt_ids), config, tok.eos_id, "prompt")
-        gen = await generate(key, recorder.attempt_id, req.prompt_ids, params)
-        rec = recorder.record_completion(req.prompt_ids, gen, stops=c.stops, ignored_params=c.ignored)
-        if c.ignored:
-            _log.warning("openai request parameters ignored", attempt_id=recorder.attempt_id, call=rec.index,
-                         ignored=c.ignored)
         r = reply("cmpl")
-        logprobs = completion_logprobs(tok, rec, req.logprobs) if req.logprobs is not None else None
+
+        def record(gens: Sequence[Generation]) -> tuple[list[CallRecord], list[Any]]:
+            recs = [recorder.record_completion(req.prompt_ids, gen, stops=c.stops, ignored_params=c.ignored)
+                    for gen in gens]
+            log_ignored(recorder, recs, c.ignored)
+            return recs, [completion_logprobs(tok, rec, req.logprobs) if req.logprobs is not None else None
+                          for rec in recs]
+
         if not c.stream:
-            return JSONResponse(completion_body(r, rec, logprobs), headers=response_headers(rec))
-        return _streamed(completion_events(r, tok, rec, logprobs, include_usage=c.include_usage),
-                         response_headers(rec))
+            recs, logprobs = record(await generate(key, recorder.attempt_id, req.prompt_ids, params, c.n))
+            return JSONResponse(completion_body(r, recs, logprobs), headers=response_headers(recs))
+
+        streamers = [TextStreamer(tok, stops=c.stops) for _ in range(c.n)]
+
+        async def produce(emit: Emit) -> None:
+            gens = await streamed_choices(emit, key, recorder.attempt_id, req.prompt_ids, params, c.n, streamers,
+                                          lambda i, text: completion_chunk(r, i, text))
+            recs, logprobs = record(gens)
+            for i, (rec, lp) in enumerate(zip(recs, logprobs)):
+                if rest := streamers[i].rest(rec.text):
+                    await emit(sse(completion_chunk(r, i, rest)))
+                await emit(sse(completion_chunk(r, i, "", finish_reason(rec), lp)))
+            if c.include_usage:
+                await emit(sse(usage_chunk(r, "text_completion", recs)))
+            await emit(DONE)
+
+        return event_stream(slots, c.n, produce)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -220,4 +449,5 @@ def create_app(
     app.state.registry = registry
     app.state.config = config
     app.state.limits = limits
+    app.state.tool_calls = tool_counts
     return app

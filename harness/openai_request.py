@@ -2,7 +2,11 @@
 
 `chat_request` and `completion_request` turn a decoded request body into a typed
 request, in the order OpenAI checks: the first invalid value is an `ApiError` 400
-(OpenAI's error body, ``param`` naming the field), an unknown model a 404.
+(OpenAI's error body, ``param`` naming the field, down to
+``messages[3].tool_calls[0].function.arguments``), an unknown model a 404.
+What fleetrl cannot honour without constraining decoding (``tool_choice``
+``"required"`` or a named function) is a 400 ``unsupported_value``, never a silent
+change of meaning.
 Parameters we do not know or do not implement are not errors: they are collected in
 ``ignored`` (the endpoint logs them and names them in a response header).
 `sampling_params` fits the generation to the room the prompt leaves in the context.
@@ -13,12 +17,13 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Annotated
 
 import msgspec
 
 from fleetrl.daemon.messages import SamplingParams
 
-from .chat import ChatMessage, ChatTokenizer
+from .chat import ChatMessage, ChatTokenizer, ToolCall
 from .errors import ApiError
 
 __all__ = [
@@ -33,6 +38,11 @@ __all__ = [
 ]
 
 
+_PosInt = Annotated[int, msgspec.Meta(ge=1)]
+"""An int >= 1 (checked with its field's name when a config file is decoded; `EndpointConfig`
+checks it again when built in code)."""
+
+
 class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How the endpoint serves.
 
@@ -43,21 +53,23 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``max_concurrent_calls_per_attempt``: calls of one attempt in flight at once; the
     next gets 429 ``too_many_concurrent_calls``. ``max_waiting_calls``: calls of all
     attempts waiting for the model at once; the next gets 429 ``endpoint_busy``
-    (`openai_limits`).
+    (`openai_limits`). ``max_n``: the most choices (``n``) one request may ask for;
+    each is a generation of its own, and each takes a waiting slot.
     """
 
     model_name: str = "fleetrl"
-    context_length: int = 4096
-    default_max_tokens: int = 512
-    max_body_bytes: int = 8 << 20
-    max_concurrent_calls_per_attempt: int = 8
-    max_waiting_calls: int = 256
+    context_length: _PosInt = 4096
+    default_max_tokens: _PosInt = 512
+    max_body_bytes: _PosInt = 8 << 20
+    max_concurrent_calls_per_attempt: _PosInt = 8
+    max_waiting_calls: _PosInt = 256
+    max_n: _PosInt = 16
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("EndpointConfig.model_name must not be empty")
         for name in ("context_length", "default_max_tokens", "max_body_bytes", "max_concurrent_calls_per_attempt",
-                     "max_waiting_calls"):
+                     "max_waiting_calls", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EndpointConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -129,16 +141,19 @@ def _stops(body: dict) -> list[str]:
 
 _SAMPLING = {"model", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "n", "stream",
              "stream_options"}
-_CHAT_KNOWN = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_CHAT_KNOWN = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                            "parallel_tool_calls"}
 _COMPLETION_KNOWN = _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-_MESSAGE_KNOWN = {"role", "content"}
+_MESSAGE_KNOWN = {"role", "content", "name", "tool_calls", "tool_call_id"}
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 class Common(msgspec.Struct, frozen=True, kw_only=True):
-    """The checked parameters both kinds of request share; ``ignored``: the request's
-    parameters that are ignored (unknown or not implemented)."""
+    """The checked parameters both kinds of request share. ``n``: how many choices
+    (generations of the same prompt). ``ignored``: the request's parameters that are
+    ignored (unknown or not implemented)."""
 
+    n: int
     temperature: float
     top_p: float
     top_k: int | None
@@ -162,9 +177,7 @@ def _common(body: dict, known: set[str], config: EndpointConfig) -> Common:
     if top_k is not None and top_k in (0, -1):
         top_k = None  # vLLM's "no cap"
     seed = _int(body, "seed", 0, 2**63 - 1)
-    n = _int(body, "n", 1)
-    if n is not None and n != 1:
-        raise _bad("n", f"only n=1 is supported, got {n}", "unsupported_value")
+    n = _int(body, "n", 1, config.max_n) or 1
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     include_usage = False
@@ -173,7 +186,7 @@ def _common(body: dict, known: set[str], config: EndpointConfig) -> Common:
             raise _bad("stream_options", f"must be an object, got {_type_name(opts)}", "invalid_type")
         include_usage = _bool(opts, "include_usage")
     ignored = sorted(k for k in body if k not in known)
-    return Common(temperature=1.0 if temperature is None else temperature,
+    return Common(n=n, temperature=1.0 if temperature is None else temperature,
                    top_p=1.0 if top_p is None else top_p, top_k=top_k, seed=seed, stops=_stops(body),
                    stream=stream, include_usage=include_usage, ignored=ignored)
 
@@ -213,9 +226,131 @@ def _messages(body: dict, ignored: list[str]) -> list[ChatMessage]:
                        f"must be a string, got {_type_name(role)}", "invalid_type")
         if role not in _ROLES:
             raise _bad(f"{where}.role", f"must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
-        out.append(ChatMessage(role, _content_text(m.get("content"), where)))
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _bad(f"{where}.name", f"must be a string, got {_type_name(name)}", "invalid_type")
+        calls = _message_tool_calls(m, role, where)
+        call_id = m.get("tool_call_id")
+        if role == "tool":
+            if not isinstance(call_id, str):
+                raise _bad(f"{where}.tool_call_id", "is required for role tool and must be a string" if call_id is None
+                           else f"must be a string, got {_type_name(call_id)}", "missing" if call_id is None
+                           else "invalid_type")
+        elif "tool_call_id" in m:
+            ignored.append(f"{where}.tool_call_id")
+        out.append(ChatMessage(role, _content_text(m.get("content"), where), tool_calls=calls,
+                               tool_call_id=call_id if role == "tool" else None, name=name))
         ignored.extend(f"{where}.{k}" for k in m if k not in _MESSAGE_KNOWN)
     return out
+
+
+def _string_field(obj: dict, key: str, where: str) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str):
+        raise _bad(f"{where}.{key}", "is required and must be a string" if v is None else
+                   f"must be a string, got {_type_name(v)}", "missing" if v is None else "invalid_type")
+    return v
+
+
+def _object_field(obj: dict, key: str, where: str) -> dict:
+    v = obj.get(key)
+    if not isinstance(v, dict):
+        raise _bad(f"{where}.{key}", "is required and must be an object" if v is None else
+                   f"must be an object, got {_type_name(v)}", "missing" if v is None else "invalid_type")
+    return v
+
+
+def _message_tool_calls(m: dict, role: str, where: str) -> tuple[ToolCall, ...]:
+    """The ``tool_calls`` of message ``m`` (an assistant's only): each
+    ``{"id", "type": "function", "function": {"name", "arguments"}}`` whose arguments are
+    the JSON text of an object, as the API returns them."""
+    calls = m.get("tool_calls")
+    if calls is None:
+        return ()
+    if role != "assistant":
+        raise _bad(f"{where}.tool_calls", f"only assistant messages carry tool calls, this one has role {role!r}")
+    if not isinstance(calls, list):
+        raise _bad(f"{where}.tool_calls", f"must be an array, got {_type_name(calls)}", "invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise _bad(at, f"must be an object, got {_type_name(call)}", "invalid_type")
+        call_id = _string_field(call, "id", at)
+        if call.get("type", "function") != "function":
+            raise _bad(f"{at}.type", f"must be 'function', got {call.get('type')!r}")
+        fn = _object_field(call, "function", at)
+        name = _string_field(fn, "name", f"{at}.function")
+        arguments = _string_field(fn, "arguments", f"{at}.function")
+        try:
+            parsed = json.loads(arguments)
+        except (ValueError, RecursionError):
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise _bad(f"{at}.function.arguments", "must be the JSON text of an object (as the API returns it), "
+                       f"got {arguments[:40]!r}")
+        out.append(ToolCall(id=call_id, name=name, arguments=arguments))
+    return tuple(out)
+
+
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_NO_CONSTRAINT = ("fleetrl samples the model's own answer and does not constrain decoding, so it cannot force "
+                  "a tool call; send tool_choice 'auto' (or 'none')")
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """The request's ``tools`` as sent (checked; an empty array is no tools)."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", f"must be an array, got {_type_name(tools)}", "invalid_type")
+    names: list[str] = []
+    for i, t in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise _bad(at, f"must be an object, got {_type_name(t)}", "invalid_type")
+        kind = _string_field(t, "type", at)
+        if kind != "function":
+            raise _bad(f"{at}.type", f"must be 'function', got {kind!r}")
+        fn = _object_field(t, "function", at)
+        name = _string_field(fn, "name", f"{at}.function")
+        if not _TOOL_NAME.fullmatch(name):
+            raise _bad(f"{at}.function.name", f"must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name[:80]!r}")
+        if name in names:
+            raise _bad(f"{at}.function.name", f"{name!r} is defined twice")
+        names.append(name)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise _bad(f"{at}.function.description", f"must be a string, got {_type_name(fn['description'])}",
+                       "invalid_type")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise _bad(f"{at}.function.parameters", "must be an object (a JSON schema), got "
+                       f"{_type_name(fn['parameters'])}", "invalid_type")
+    return tools or None
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> str:
+    """``"auto"`` or ``"none"`` (the default: ``"auto"`` with tools, else ``"none"``)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice == "none":
+            return choice
+        if choice not in ("auto", "required"):
+            raise _bad("tool_choice", f"must be 'none', 'auto', 'required' or a named function, got {choice!r}")
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad("tool_choice", 'a named tool choice is {"type": "function", "function": {"name": ...}}')
+    else:
+        raise _bad("tool_choice", f"must be a string or an object, got {_type_name(choice)}", "invalid_type")
+    if not tools:
+        raise _bad("tool_choice", "a tool_choice other than 'none' needs tools (tools is missing or empty)")
+    if choice == "auto":
+        return choice
+    what = "'required'" if choice == "required" else f"a named function ({choice['function']['name']!r})"
+    raise _bad("tool_choice", f"{what} is not supported: {_NO_CONSTRAINT}", "unsupported_value")
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -264,14 +399,26 @@ def parse_body(raw: bytes, content_type: str = "application/json") -> dict:
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A checked ``POST /v1/chat/completions`` body. ``max_tokens``: the requested
     generation length (None: the endpoint's default). ``top_logprobs``: alternatives
-    per token (0: none). ``ignored``: the parameters ignored, message fields included."""
+    per token (0: none). ``tools``: the request's tools exactly as sent (for the chat
+    template), None without any. ``tool_choice``: ``"auto"`` (answers are parsed for
+    tool calls) or ``"none"`` (they are not; the tools still reach the template, as
+    with vLLM). ``parallel_tool_calls`` is accepted but not enforced (named in
+    ``ignored`` when false). ``ignored``: the parameters ignored, message fields
+    included."""
 
     common: Common
     messages: list[ChatMessage]
     max_tokens: int | None
     logprobs: bool
     top_logprobs: int
+    tools: list[dict] | None = None
+    tool_choice: str = "none"
     ignored: list[str]
+
+    @property
+    def parse_tool_calls(self) -> bool:
+        """Whether answers are parsed for tool calls."""
+        return self.tools is not None and self.tool_choice == "auto"
 
 
 def chat_request(body: dict, config: EndpointConfig) -> ChatRequest:
@@ -286,8 +433,12 @@ def chat_request(body: dict, config: EndpointConfig) -> ChatRequest:
     top = _int(body, "top_logprobs", 0, 20) or 0
     if top and not want_logprobs:
         raise _bad("top_logprobs", "requires logprobs: true")
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
+    if body.get("parallel_tool_calls") is not None and not _bool(body, "parallel_tool_calls"):
+        ignored.append("parallel_tool_calls")  # not enforced: every call the model wrote is returned
     return ChatRequest(common=c, messages=messages, max_tokens=requested, logprobs=want_logprobs,
-                       top_logprobs=top, ignored=ignored)
+                       top_logprobs=top, tools=tools, tool_choice=tool_choice, ignored=ignored)
 
 
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -311,6 +462,8 @@ def completion_request(body: dict, config: EndpointConfig, tok: ChatTokenizer) -
     if body.get("suffix") not in (None, ""):
         raise _bad("suffix", "suffix is not supported", "unsupported_value")
     best_of = _int(body, "best_of", 1)
+    if best_of is not None and best_of < c.n:
+        raise _bad("best_of", f"must be >= n ({c.n}), got {best_of}")
     if best_of is not None and best_of != 1:
         raise _bad("best_of", f"only best_of=1 is supported, got {best_of}", "unsupported_value")
     prompt_ids = _completion_prompt(body, tok)

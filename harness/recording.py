@@ -12,6 +12,8 @@ attempt is scored.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -21,7 +23,8 @@ import numpy as np
 from fleetrl.daemon.messages import Generation, SupportCSR, TokenSegment, Trajectory
 from fleetrl.daemon.protocol import Tensor
 
-from .chat import ChatHistory, ChatMessage, ChatTokenizer, PromptPlan, cut_at_stop_strings
+from .chat import ChatHistory, ChatMessage, ChatTokenizer, PromptPlan, ToolCall, cut_at_stop_strings
+from .tool_calls import parse_tool_calls as _parse_tool_calls
 
 __all__ = [
     "AttemptRecord",
@@ -42,8 +45,11 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True):
     (None: tokenised from scratch, a new segment of the conversation, and
     ``new_segment_reason`` says why). ``reused_tokens``: how many leading prompt ids
     were taken from that call. ``text``: the answer as the caller saw it (after stop
-    strings). ``stop``: the stop string that ended it, if any. ``ignored_params``:
-    request parameters that were ignored (unknown or unsupported).
+    strings; with parsed tool calls, the content before them). ``stop``: the stop
+    string that ended it, if any. ``ignored_params``: request parameters that were
+    ignored (unknown or unsupported). ``tool_calls``: the calls parsed from the answer
+    (``record_chat(parse_tool_calls=True)``); ``tool_call_parse_failure``: why the
+    answer's tool-call blocks did not parse (``text`` is then the whole answer).
     """
 
     index: int
@@ -58,6 +64,8 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True):
     stop: str | None = None
     ignored_params: tuple[str, ...] = ()
     messages: tuple[ChatMessage, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_parse_failure: str | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -87,6 +95,11 @@ class AttemptRecord(msgspec.Struct, frozen=True, kw_only=True):
             if c.break_cause is not None:
                 out[c.break_cause] = out.get(c.break_cause, 0) + 1
         return out
+
+    @property
+    def tool_call_parse_failures(self) -> int:
+        """Calls whose answer had tool-call blocks that did not parse."""
+        return sum(c.tool_call_parse_failure is not None for c in self.calls)
 
     @property
     def n_new_segments(self) -> int:
@@ -155,9 +168,14 @@ class AttemptRecorder:
     def calls(self) -> tuple[CallRecord, ...]:
         return tuple(self._calls)
 
-    def plan_chat(self, messages: Sequence[ChatMessage]) -> PromptPlan:
-        """The prompt of a chat call with ``messages`` (see `ChatHistory.plan`)."""
-        return self.history.plan(messages)
+    def plan_chat(self, messages: Sequence[ChatMessage], tools: Sequence[dict] | None = None) -> PromptPlan:
+        """The prompt of a chat call with ``messages`` and ``tools`` (see `ChatHistory.plan`)."""
+        return self.history.plan(messages, tools)
+
+    def _call_id(self, index: int, j: int) -> str:
+        """``call_<24 hex>``: the id of tool call ``j`` of call ``index``, unique in the
+        attempt and reproducible (a hash of the attempt id and the position)."""
+        return "call_" + hashlib.blake2b(f"{self.attempt_id}/{index}/{j}".encode(), digest_size=12).hexdigest()
 
     def _take_index(self) -> int:
         i = self._next_index
@@ -172,19 +190,32 @@ class AttemptRecorder:
         *,
         stops: Sequence[str] = (),
         ignored_params: Sequence[str] = (),
+        tools: Sequence[dict] | None = None,
+        parse_tool_calls: bool = False,
     ) -> CallRecord:
         """Record the answer ``gen`` to a chat call planned as ``plan``; stop strings
-        cut it (see `chat.cut_at_stop_strings`). Returns the record."""
+        cut it (see `chat.cut_at_stop_strings`); with ``parse_tool_calls``, the answer's
+        tool calls are parsed (`tool_calls.parse_tool_calls`). Returns the record.
+
+        ``tools`` is accepted for symmetry with `plan_chat`; the tools the history
+        remembers are those the plan was rendered with."""
+        del tools  # the plan carries them
         generated = gen.token_ids.to_numpy().tolist()
         cut = cut_at_stop_strings(self.tokenizer, generated, stops)
         gen = _ended_by(truncate_generation(gen, cut.n_tokens), cut.stop)
         index = self._take_index()
-        self.history.add(index, messages, plan.ids, generated[: cut.n_tokens], cut.text, cut.context_tokens)
+        content, calls, failure = cut.text, (), None
+        if parse_tool_calls:
+            ids = itertools.count()
+            parsed = _parse_tool_calls(cut.text, make_id=lambda: self._call_id(index, next(ids)))
+            content, calls, failure = parsed.content, parsed.tool_calls, parsed.failed
+        answer = ChatMessage("assistant", content, tool_calls=calls)
+        self.history.add(index, messages, plan, generated[: cut.n_tokens], answer, cut.context_tokens)
         rec = CallRecord(
             index=index,
             kind="chat",
             segment=TokenSegment.from_generation(_ids_tensor(plan.ids), gen),
-            text=cut.text,
+            text=content,
             extends=plan.extends,
             reused_tokens=plan.reused,
             new_segment_reason=plan.reason,
@@ -192,6 +223,8 @@ class AttemptRecorder:
             stop=cut.stop,
             ignored_params=tuple(ignored_params),
             messages=tuple(messages),
+            tool_calls=calls,
+            tool_call_parse_failure=failure,
         )
         self._calls.append(rec)
         return rec

@@ -4,8 +4,10 @@
 ``.tgz``) in memory into a `repo_tasks.SourceTree`: its name and version from its
 ``PKG-INFO``, and its UTF-8 text files relative to its single top directory (binary
 files and links are listed as skipped). `load_bug_file` reads a TOML bug file,
-`BUNDLED_BUGS` is the one shipped with fleetrl (``harness/repo_bugs.toml``). Problems
-are `TaskError`s naming the file and what is wrong.
+`BUNDLED_BUGS` is the one shipped with fleetrl (``harness/repo_bugs.toml``).
+`fetch_sdist` finds a package's sdist in a cache directory, downloading it with pip
+(from the configured index) the first time. Problems are `TaskError`s naming the file
+and what is wrong.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import email.parser
 import os
 import posixpath
+import re
+import subprocess
+import sys
 import tarfile
 import tomllib
 from importlib import resources
@@ -22,7 +27,7 @@ from .errors import TaskError
 from .repo_tasks import RepoSpec, SourceTree, parse_bug_file
 from .task_schema import _check_relative_path
 
-__all__ = ["BUNDLED_BUGS", "MAX_FILE_BYTES", "bundled_bug_text", "load_bug_file", "read_sdist"]
+__all__ = ["BUNDLED_BUGS", "MAX_FILE_BYTES", "bundled_bug_text", "fetch_sdist", "load_bug_file", "read_sdist"]
 
 BUNDLED_BUGS = "repo_bugs.toml"
 """The bug file shipped with fleetrl (package data of ``fleetrl.harness``)."""
@@ -96,3 +101,33 @@ def load_bug_file(path: str | os.PathLike[str] | None = None) -> dict[str, RepoS
     except tomllib.TOMLDecodeError as err:
         raise TaskError(f"invalid TOML: {err}", where=where) from None
     return parse_bug_file(obj, where=where)
+
+
+def _sdist_in(cache_dir: Path, name: str, version: str) -> Path | None:
+    # sdist file names normalise the project name (PEP 625: lower case, "_" for runs of -_.)
+    wanted = {f"{n}-{version}.{ext}" for n in {name, re.sub(r"[-_.]+", "_", name).lower()}
+              for ext in ("tar.gz", "tgz", "tar.bz2", "tar.xz")}
+    found = sorted(p for p in cache_dir.iterdir() if p.name in wanted) if cache_dir.is_dir() else []
+    return found[0] if found else None
+
+
+def fetch_sdist(name: str, version: str, cache_dir: str | os.PathLike[str], *, timeout_s: float = 300.0) -> Path:
+    """The sdist of ``name==version`` in ``cache_dir``, downloaded there with ``pip
+    download --no-deps --no-binary :all:`` when it is not there yet (blocking)."""
+    cache = Path(cache_dir).expanduser()
+    hit = _sdist_in(cache, name, version)
+    if hit is not None:
+        return hit
+    cache.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+            f"{name}=={version}", "-d", str(cache)]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise TaskError(f"pip download {name}=={version} took over {timeout_s:g} s", where=str(cache)) from None
+    hit = _sdist_in(cache, name, version)
+    if r.returncode != 0 or hit is None:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        raise TaskError(f"pip download {name}=={version} found no sdist (exit {r.returncode}): "
+                        f"{' | '.join(tail) or 'no output'}", where=str(cache))
+    return hit

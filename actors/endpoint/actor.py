@@ -33,7 +33,7 @@ import trio
 from fleetrl.actors.envworker.model import open_model
 from fleetrl.daemon.actor import ActorContext
 from fleetrl.daemon.state import read_control
-from fleetrl.harness.openai_api import AttemptRegistry, create_app
+from fleetrl.harness.openai_api import AttemptRegistry, ToolCallCounts, create_app
 from fleetrl.harness.openai_limits import CallLimits
 
 from .config import EndpointActorConfig
@@ -60,6 +60,12 @@ class EndpointStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Calls refused with 429 ``too_many_concurrent_calls`` (an attempt over its limit)."""
     rejected_endpoint_busy: int = 0
     """Calls refused with 429 ``endpoint_busy`` (too many calls waiting for the model)."""
+    answers_with_tool_calls: int = 0
+    """Answers parsed for tool calls (requests with ``tools``) that held at least one."""
+    tool_calls: int = 0
+    """Tool calls returned."""
+    tool_call_parse_failures: int = 0
+    """Answers with a tool-call block that did not parse (returned as plain content)."""
 
 
 @dataclass(frozen=True)
@@ -78,15 +84,21 @@ class EndpointHandle:
     ``pacing = true``."""
     limits: CallLimits | None = None
     """The app's flood limits (`fleetrl.harness.openai_limits`), for the statistics."""
+    tool_counts: ToolCallCounts | None = None
+    """The app's tool-call counters (`fleetrl.harness.openai_api.ToolCallCounts`)."""
 
     def statistics(self) -> EndpointStatistics:
         if self.limits is None:
             return EndpointStatistics(open_attempts=len(self.registry))
         s = self.limits.statistics()
+        t = self.tool_counts.statistics() if self.tool_counts is not None else None
         return EndpointStatistics(open_attempts=len(self.registry), calls_in_flight=s.in_flight,
                                   calls_waiting=s.waiting,
                                   rejected_too_many_concurrent_calls=s.rejected_per_attempt,
-                                  rejected_endpoint_busy=s.rejected_busy)
+                                  rejected_endpoint_busy=s.rejected_busy,
+                                  answers_with_tool_calls=t.answers_with_tool_calls if t else 0,
+                                  tool_calls=t.tool_calls if t else 0,
+                                  tool_call_parse_failures=t.parse_failures if t else 0)
 
 
 def client_host(host: str) -> str:
@@ -139,7 +151,8 @@ async def run(cfg: EndpointActorConfig, ctx: ActorContext, *,
     ctx.mount(PREFIX, _KeepFullPath(app, PREFIX), auth=False)
     ctx.log.info("openai endpoint serving", url=base_url, model=cfg.model_name)
     task_status.started(EndpointHandle(registry=registry, base_url=base_url, model_name=cfg.model_name,
-                                       model=model, model_config=cfg.model, limits=app.state.limits))
+                                       model=model, model_config=cfg.model, limits=app.state.limits,
+                                       tool_counts=app.state.tool_calls))
     async for msg in ctx.inbox:  # ends at shutdown once every holder of the handle has returned
         ctx.log.warning("message ignored", type=type(msg).__name__)
     ctx.log.info("openai endpoint stopped", open_attempts=len(registry))

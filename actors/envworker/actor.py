@@ -20,6 +20,7 @@ groups through that pool's pacer, as with the built-in harness.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Never
 
 import trio
@@ -57,8 +58,9 @@ async def _external_harness(cfg: EnvWorkerConfig, ctx: ActorContext) -> tuple[Ha
         handle = await ctx.handle(cfg.endpoint)
     except KeyError:
         raise ValueError(f"endpoint = {cfg.endpoint!r} is not an actor of this daemon") from None
-    ctx.log.info("external harness", argv=list(cfg.external_command().argv), endpoint=handle.base_url)
-    harness = ExternalHarness(cfg.external_command(), registry=handle.registry, base_url=handle.base_url,
+    command = cfg.external_command().relative_to(os.getcwd())
+    ctx.log.info("external harness", argv=list(command.argv), endpoint=handle.base_url)
+    harness = ExternalHarness(command, registry=handle.registry, base_url=handle.base_url,
                               model_name=handle.model_name)
     return harness, handle
 

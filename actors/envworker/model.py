@@ -11,7 +11,10 @@
   ends its episode in ``error`` and the worker reports a ``sampler_error``).
 
 Both return the wire `Generation` of ``fleetrl.daemon.messages`` (the local one: the
-backend's own, stamped with the request id and this client's sampler identity).
+backend's own, stamped with the request id and this client's sampler identity), and
+both stream: ``stream(prompt_ids, params)`` yields `TokenChunk`s as the sampler decodes
+(every decode step with the torch backend), then that same `Generation`. Close a stream
+early with ``contextlib.aclosing`` to give the request up.
 `for_attempt` gives a view that tags requests with the attempt id (the pool logs and
 paces by it).
 """
@@ -19,12 +22,14 @@ paces by it).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import numpy as np
 import trio
 
+from fleetrl.actors.pool.batcher import decode_batch
 from fleetrl.actors.samplers.base import served_identity, stamp
 from fleetrl.actors.samplers.errors import BadGenerateRequest, NumericalFailure
 from fleetrl.daemon import messages as m
@@ -69,6 +74,96 @@ class LocalModelClient:
         self.calls += 1
         return stamp(gen, request_id, self.identity)
 
+    async def stream(self, prompt_ids: Sequence[int], params: m.SamplingParams
+                     ) -> AsyncIterator[m.TokenChunk | m.Generation]:
+        """`generate`, streamed: a `TokenChunk` per decode step that produced tokens (a
+        backend without ``streams_tokens`` sends none), then the `Generation`.
+
+        The backend runs in a thread of its own that holds one of the ``concurrency``
+        slots until the generation ends. Closed early, the stream gives the request up:
+        a backend that decodes step by step and can abort a row (the torch backend)
+        stops at the next step boundary, any other one finishes and its tokens are
+        dropped."""
+        request_id = f"{self.identity.sampler_id}-{next(self._ids)}"
+        prompt = [int(t) for t in prompt_ids]
+        slot = object()
+        await self._limit.acquire_on_behalf_of(slot)
+        feed = _Feed()
+        trio_token = trio.lowlevel.current_trio_token()
+
+        def post(fn: Any, *args: Any) -> None:  # from the backend's thread
+            try:
+                trio_token.run_sync_soon(fn, *args)
+            except trio.RunFinishedError:
+                pass
+
+        def sink(_i: int, ids: list[int]) -> None:
+            if not feed.abandoned:
+                post(feed.push, ids)
+
+        def given_up() -> list[int]:
+            if feed.abandoned and not feed.aborted:
+                feed.aborted = True
+                return [0]
+            return []
+
+        def run() -> m.Generation:
+            out: list[m.Generation] = []
+            decode_batch(self.backend, [prompt], params, lambda _i, gen: out.append(gen), sink, given_up)
+            return out[0]
+
+        def ended(result: Any) -> None:  # in the Trio thread
+            self._limit.release_on_behalf_of(slot)
+            feed.end(result)
+
+        try:
+            trio.lowlevel.start_thread_soon(run, lambda result: post(ended, result))
+        except BaseException:
+            self._limit.release_on_behalf_of(slot)
+            raise
+        try:
+            while True:
+                await feed.wake.wait()
+                feed.wake = trio.Event()
+                if feed.tokens:
+                    ids, feed.tokens = feed.tokens, []
+                    yield m.TokenChunk(request_id=request_id, token_ids=ids)
+                if feed.result is not None:
+                    break
+        except BaseException:  # cancelled, or the reader closed the stream
+            feed.abandoned = True
+            raise
+        try:
+            gen = feed.result.unwrap()
+        except BadGenerateRequest as exc:
+            raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=False) from exc
+        except NumericalFailure as exc:
+            raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=True) from exc
+        self.calls += 1
+        yield stamp(gen, request_id, self.identity)
+
+
+class _Feed:
+    """One streamed local generation: tokens not yet read, and the thread's outcome."""
+
+    __slots__ = ("abandoned", "aborted", "result", "tokens", "wake")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.result: Any = None
+        self.abandoned = False
+        self.aborted = False  # read and written by the backend's thread only
+        self.wake = trio.Event()
+
+    def push(self, ids: list[int]) -> None:
+        if self.result is None:
+            self.tokens.extend(ids)
+            self.wake.set()
+
+    def end(self, result: Any) -> None:
+        self.result = result
+        self.wake.set()
+
 
 class PoolModelClient:
     """Calls through the sampler pool's in-process client (see the module docstring)."""
@@ -88,18 +183,36 @@ class PoolModelClient:
     def for_attempt(self, attempt_id: str) -> PoolModelClient:
         return PoolModelClient(self.pool, self._tok, attempt_id=attempt_id, min_version=self.min_version)
 
-    async def generate(self, prompt_ids: Sequence[int], params: m.SamplingParams) -> m.Generation:
+    def _request(self, prompt_ids: Sequence[int], params: m.SamplingParams, *, stream: bool) -> m.GenerateRequest:
         ids = np.asarray(list(prompt_ids), dtype=np.int64)
         try:
-            request = m.GenerateRequest(request_id=f"{self.attempt_id or 'envworker'}#{next(self._ids)}",
-                                        attempt_id=self.attempt_id, prompt_ids=Tensor.from_numpy(ids),
-                                        params=params, min_version=self.min_version)
+            return m.GenerateRequest(request_id=f"{self.attempt_id or 'envworker'}#{next(self._ids)}",
+                                     attempt_id=self.attempt_id, prompt_ids=Tensor.from_numpy(ids),
+                                     params=params, min_version=self.min_version, stream=stream)
         except ValueError as exc:
             raise ModelUnavailable(f"bad generate request: {exc}", retryable=False) from exc
-        answer = await self.pool.generate(request)
+
+    async def generate(self, prompt_ids: Sequence[int], params: m.SamplingParams) -> m.Generation:
+        answer = await self.pool.generate(self._request(prompt_ids, params, stream=False))
         if isinstance(answer, m.GenerateFailed):
             raise ModelUnavailable(f"sampler pool: {answer.reason}", retryable=answer.retryable)
         return answer
+
+    async def stream(self, prompt_ids: Sequence[int], params: m.SamplingParams
+                     ) -> AsyncIterator[m.TokenChunk | m.Generation]:
+        """`generate`, streamed through `SamplerPool.stream`: `TokenChunk`s as the
+        sampler decodes, then the `Generation` (a pool without ``stream``: only that).
+        A request whose sampler is lost after it began to stream raises a retryable
+        `ModelUnavailable` (the pool does not re-route it)."""
+        request = self._request(prompt_ids, params, stream=True)
+        if getattr(self.pool, "stream", None) is None:
+            yield await self.generate(prompt_ids, params)
+            return
+        async with aclosing(self.pool.stream(request)) as items:
+            async for item in items:
+                if isinstance(item, m.GenerateFailed):
+                    raise ModelUnavailable(f"sampler pool: {item.reason}", retryable=item.retryable)
+                yield item
 
 
 async def open_model(cfg: ModelConfig, ctx: ActorContext) -> LocalModelClient | PoolModelClient:

@@ -30,10 +30,44 @@ VOCAB_SIZE: Final = N_BYTES + len(SPECIAL_TOKENS)
 # A plain-text chat layout, so an OpenAI-style chat endpoint (ours or vLLM's) can turn
 # messages into tokens without a model-specific template. Roles are written as text;
 # each turn ends with <eos>, which is also the token that ends a generation.
+#
+# Tool calls follow the Hermes/Qwen format most open models use: with ``tools``, the
+# first turn is a system turn listing them (one JSON line each, after the system
+# message's content when the conversation opens with one) and saying how to call one;
+# an assistant message's calls follow its content as
+# ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (parsed back by
+# ``fleetrl.harness.tool_calls``); a tool result is a ``<|tool|>`` turn. Without tools
+# and tool calls the text is that of the plain layout, byte for byte.
+#
+# Rendered by transformers' sandboxed jinja environment (trim_blocks, lstrip_blocks,
+# its own ``tojson``: ``json.dumps`` with ensure_ascii=False), as vLLM renders it too:
+# no block tag may be followed by a newline of the text (trim_blocks would drop it).
+TOOL_INSTRUCTION: Final = (
+    'To call a tool, answer <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+)
 CHAT_TEMPLATE: Final = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "<|system|>\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    + TOOL_INSTRUCTION + "{{ eos_token }}\n"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if loop.first and tools and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|assistant|>\n{{ message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set args = call['function']['arguments'] %}"
+    '<tool_call>{"name": {{ call[\'function\'][\'name\'] | tojson }}, "arguments": '
+    "{% if args is string %}{{ args }}{% else %}{{ args | tojson }}{% endif %}"
+    "}</tool_call>"
+    "{% endfor %}"
+    "{{ eos_token }}\n"
+    "{% else %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

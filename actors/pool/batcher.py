@@ -11,6 +11,12 @@ retryable elsewhere; anything else means the sampler itself is broken and raises
 is the backend's own `Generation` stamped (``samplers.base.stamp``) with the request id and the
 sampler identity it is served under.
 
+Streaming: a request with ``stream=True`` served through `Batcher.stream` also gets its
+tokens as the backend produces them (a backend with ``streams_tokens``, see
+``samplers.base``: its sink posts each step's ids to the Trio thread), as lists of ids
+before its answer. Requests that do not stream cost nothing extra: the backend gets a
+sink only when its batch holds a streamed request, and the sink posts only theirs.
+
 ``capacity`` is the number of requests a sampler serves at once (what the pool routes
 against); ``max_batch`` the most requests in one backend call. See `Batcher` for the
 rules, and `fleetrl.actors.samplers.batching` for which requests may share a call
@@ -20,13 +26,14 @@ rules, and `fleetrl.actors.samplers.batching` for which requests may share a cal
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
 import trio
 
-from fleetrl.actors.samplers.base import SamplerBackend, stamp
+from fleetrl.actors.samplers.base import SamplerBackend, TokenSink, stamp, streams_tokens
 from fleetrl.actors.samplers.batching import batch_key, take_batch
 from fleetrl.actors.samplers.errors import BadGenerateRequest, NumericalFailure
 from fleetrl.daemon import messages as m
@@ -70,22 +77,34 @@ def run_generate(backend: SamplerBackend, identity: m.SamplerIdentity,
 
 
 def decode_batch(backend: SamplerBackend, prompts: list[list[int]], params: m.SamplingParams,
-                 emit: Callable[[int, m.Generation], None]) -> None:
+                 emit: Callable[[int, m.Generation], None], on_tokens: TokenSink | None = None,
+                 given_up: Callable[[], list[int]] | None = None) -> None:
     """Blocking: one backend call for `prompts`; ``emit(i, generation)`` for each prompt.
 
     A backend that decodes step by step (``start(prompts, params)`` returning a run with
     ``step()``, ``done`` and ``take_finished()``, as `TorchBackend`) has each prompt
     emitted as soon as it finishes; any other backend's are emitted when its
-    ``generate`` returns.
+    ``generate`` returns. ``on_tokens(i, ids)`` is handed to a backend that streams
+    (``streams_tokens``): it gets prompt ``i``'s new tokens as they are decoded, all of
+    them before ``emit(i, ...)``; other backends ignore it. ``given_up()``, asked between
+    steps, names prompts nobody waits for any more: a run with ``abort(i)`` (`DecodeRun`)
+    stops decoding them (they are emitted with finish reason ``"abort"``).
     """
+    kw: dict[str, Any] = {}
+    if on_tokens is not None and streams_tokens(backend):
+        kw["on_tokens"] = on_tokens
     start = getattr(backend, "start", None)
     if start is None:
-        for i, gen in enumerate(backend.generate(prompts, params)):
+        for i, gen in enumerate(backend.generate(prompts, params, **kw)):
             emit(i, gen)
         return
-    run = start(prompts, params)
+    run = start(prompts, params, **kw)
+    abort = getattr(run, "abort", None) if given_up is not None else None
     while not run.done:
         run.step()
+        if abort is not None:
+            for i in given_up():
+                abort(i)
         for i, gen in run.take_finished():
             emit(i, gen)
 
@@ -106,15 +125,22 @@ class BatchStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Job:
-    __slots__ = ("answer", "done", "lost", "params", "prompt", "request", "started")
+    __slots__ = ("abandoned", "answer", "done", "lost", "params", "prompt", "request", "started", "tokens",
+                 "wake")
 
     def __init__(self, request: m.GenerateRequest, params: m.SamplingParams, prompt: list[int],
-                 started: Callable[[], None]) -> None:
+                 started: Callable[[], None], *, streamed: bool) -> None:
         self.request = request
         self.params = params
         self.prompt = prompt
         self.started = started
         self.done = trio.Event()
+        self.wake = trio.Event()
+        """Set when tokens or the answer arrive (replaced by the reader after each wait)."""
+        self.tokens: list[int] | None = [] if streamed else None
+        """Tokens not yet handed to the reader; None: the request does not stream."""
+        self.abandoned = False
+        """Its reader gave up while its batch ran (read by the batch's thread)."""
         self.answer: m.Generation | m.GenerateFailed | None = None
         self.lost: str | None = None
 
@@ -147,7 +173,9 @@ class Batcher:
       finish short generations before long ones of the same batch);
     * cancelling it (a caller's timeout, the pool taking the sampler out) takes it out of
       the queue, or, once its batch runs, drops its answer: the batch goes on for the
-      other requests;
+      other requests. A streamed request given up while its batch runs also stops
+      decoding at the next step boundary when the backend's run can ``abort`` a row
+      (the torch backend's can), freeing its slot;
     * any other backend error means the backend is broken: every unanswered request of
       that batch raises `SamplerLost`.
 
@@ -184,7 +212,29 @@ class Batcher:
 
     async def submit(self, request: m.GenerateRequest, started: Callable[[], None]
                      ) -> m.Generation | m.GenerateFailed:
-        """Answer `request` (see the class docstring). Raises SamplerLost."""
+        """Answer `request` (see the class docstring). Raises SamplerLost. Its tokens
+        are not streamed (``request.stream`` is ignored; see `stream`)."""
+        answer: m.Generation | m.GenerateFailed | None = None
+        async with aclosing(self._serve(request, started, streamed=False)) as items:
+            async for item in items:
+                assert not isinstance(item, list)
+                answer = item
+        assert answer is not None
+        return answer
+
+    def stream(self, request: m.GenerateRequest, started: Callable[[], None]
+               ) -> AsyncIterator[list[int] | m.Generation | m.GenerateFailed]:
+        """`submit`, streamed when ``request.stream``: lists of new token ids as the backend
+        decodes them (when it streams, ``samplers.base.streams_tokens``), then the answer.
+        The lists concatenate to the answer's ``token_ids`` (a prefix of it when the
+        backend does not stream: then there are none). Raises SamplerLost.
+
+        Closing the iterator early (``aclosing``) gives the request up: out of the queue,
+        or, once its batch runs, its answer dropped and no more tokens posted for it."""
+        return self._serve(request, started, streamed=request.stream)
+
+    async def _serve(self, request: m.GenerateRequest, started: Callable[[], None], *, streamed: bool
+                     ) -> AsyncIterator[list[int] | m.Generation | m.GenerateFailed]:
         if self._closed is not None:
             raise SamplerLost(f"sampler {self.identity.sampler_id} is {self._closed}")
         self._token = trio.lowlevel.current_trio_token()
@@ -195,22 +245,31 @@ class Batcher:
             if check is not None:
                 check([prompt], params)
         except (BadGenerateRequest, ValueError) as exc:
-            return _request_error(request.request_id, self.identity, exc)
-        job = _Job(request, params, prompt, started)
+            yield _request_error(request.request_id, self.identity, exc)
+            return
+        job = _Job(request, params, prompt, started, streamed=streamed)
         self._queue.append(job)
         if not self._dispatch_due:  # once the tasks runnable now have queued their requests too
             self._dispatch_due = True
             self._token.run_sync_soon(self._due)
         try:
-            await job.done.wait()
-        except BaseException:
+            while True:
+                await job.wake.wait()
+                job.wake = trio.Event()
+                if job.tokens:
+                    ids, job.tokens = job.tokens, []
+                    yield ids  # outside any cancel scope: the reader's code runs here
+                if job.done.is_set():
+                    break
+        except BaseException:  # cancelled, or the reader closed the stream
             if job in self._queue:
                 self._queue.remove(job)
+            job.abandoned = True
             raise
         if job.lost is not None:
             raise SamplerLost(job.lost)
         assert job.answer is not None
-        return job.answer
+        yield job.answer
 
     def close(self, reason: str = "closed") -> None:
         """Take no more requests; the waiting ones raise SamplerLost (running batches finish)."""
@@ -261,6 +320,13 @@ class Batcher:
             return
         job.answer, job.lost = answer, lost
         job.done.set()
+        job.wake.set()
+
+    def _tokens(self, job: _Job, ids: list[int]) -> None:
+        if job.done.is_set() or job.tokens is None or job.abandoned:
+            return
+        job.tokens.extend(ids)
+        job.wake.set()
 
     def _answered(self, job: _Job, answer: m.Generation | m.GenerateFailed | None, lost: str | None) -> None:
         if not job.done.is_set():
@@ -289,20 +355,44 @@ class Batcher:
     def _run(self, jobs: list[_Job]) -> None:
         identity = self.identity
         answered: set[int] = set()
+        streamed: set[int] = set()  # jobs that were sent tokens
 
         def emit(i: int, gen: m.Generation) -> None:
             answered.add(i)
             self._post(self._answered, jobs[i], stamp(gen, jobs[i].request.request_id, identity), None)
 
+        def on_tokens(i: int, ids: list[int]) -> None:
+            job = jobs[i]
+            if job.tokens is not None and not job.abandoned:
+                streamed.add(i)
+                self._post(self._tokens, job, ids)
+
+        aborted: set[int] = set()
+
+        def given_up() -> list[int]:  # streamed requests whose reader closed the stream
+            out = [i for i, j in enumerate(jobs) if j.abandoned and i not in aborted and i not in answered]
+            aborted.update(out)
+            return out
+
+        sink = on_tokens if any(j.tokens is not None for j in jobs) else None
         try:
-            decode_batch(self.backend, [j.prompt for j in jobs], jobs[0].params, emit)
+            decode_batch(self.backend, [j.prompt for j in jobs], jobs[0].params, emit, sink,
+                         given_up if sink is not None else None)
         except _REQUEST_ERRORS as exc:
             rest = [j for i, j in enumerate(jobs) if i not in answered]
             if len(jobs) == 1:
                 for job in rest:
                     self._post(self._answered, job, _request_error(job.request.request_id, identity, exc), None)
                 return
-            for job in rest:  # find the culprit: each one alone
+            for i, job in enumerate(jobs):  # find the culprit: each one alone
+                if i in answered:
+                    continue
+                if i in streamed:  # its tokens went out: a run alone would contradict them
+                    failed = m.GenerateFailed(request_id=job.request.request_id, retryable=True,
+                                              reason=f"sampler {identity.sampler_id}: its batch failed after "
+                                                     f"streaming tokens ({type(exc).__name__}: {exc})")
+                    self._post(self._answered, job, failed, None)
+                    continue
                 try:
                     answer = run_generate(self.backend, identity, job.request)
                 except Exception as alone:

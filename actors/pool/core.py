@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -271,6 +271,38 @@ class SamplerPool:
 
     async def generate(self, request: m.GenerateRequest) -> m.Generation | m.GenerateFailed:
         """Answer `request` (see the module docstring for the guarantees)."""
+        answer: m.Generation | m.GenerateFailed | None = None
+        async with aclosing(self._serve(request, streamed=False)) as items:
+            async for item in items:
+                assert not isinstance(item, m.TokenChunk)
+                answer = item
+        assert answer is not None
+        return answer
+
+    def stream(self, request: m.GenerateRequest
+               ) -> AsyncIterator[m.TokenChunk | m.Generation | m.GenerateFailed]:
+        """`generate`, streamed: zero or more `TokenChunk`s as the sampler decodes the
+        tokens, then the answer (a `Generation` whose ``token_ids`` the chunks add up
+        to, or a `GenerateFailed`). The request goes out with ``stream=True``; a sampler
+        that does not stream (an older remote, a backend without ``streams_tokens``)
+        sends no chunks, only the answer.
+
+        Same guarantees as `generate`, but a request whose tokens have begun to stream
+        is not re-routed when its sampler is lost (another sampler would draw other
+        tokens): it ends with a retryable `GenerateFailed`. Close the iterator to give
+        the request up (``async with contextlib.aclosing(pool.stream(r)) as items``):
+        the sampler drops it, the rest of its batch goes on."""
+        if not request.stream:
+            request = msgspec.structs.replace(request, stream=True)
+        return self._serve(request, streamed=True)
+
+    async def _serve(self, request: m.GenerateRequest, *, streamed: bool
+                     ) -> AsyncIterator[m.TokenChunk | m.Generation | m.GenerateFailed]:
+        """`generate` / `stream`: the chunks (when `streamed`), then the one answer.
+
+        Each wait for the sampler runs in its own cancel scope with the request's
+        deadline, registered in ``_inflight`` so that `mark_dead` cuts it; chunks are
+        yielded outside those scopes (the caller's code runs at a ``yield``)."""
         problems: list[str] = []
         key = None
         if self.affinity is not None:
@@ -281,8 +313,7 @@ class SamplerPool:
             record = self.registry.assign(sid)
             if key is not None and self.affinity is not None:
                 self.affinity.routed(key, sid)  # no checkpoint since _route: the memory is current
-            scope = trio.CancelScope(deadline=trio.current_time() + self.request_timeout_s)
-            self._inflight[sid].add(scope)
+            deadline = trio.current_time() + self.request_timeout_s
             t_start: float | None = None
             mark: float | None = None
 
@@ -293,24 +324,49 @@ class SamplerPool:
 
             result: m.Generation | m.GenerateFailed | None = None
             lost: str | None = None
+            cut = False  # our scope was cancelled: the deadline passed or the sampler was taken out
+            sent = 0  # tokens handed to the caller
+            items = _handle_items(handle, request, started, streamed)
             try:
-                with scope:
-                    result = await handle.generate(request, started)
-            except SamplerLost as exc:
-                lost = str(exc)
-            except BaseException:  # the caller gave up (cancelled): the request is over here
+                while result is None:
+                    if self.handles.get(sid) is not handle:  # taken out while the caller held a chunk
+                        cut = True
+                        break
+                    scopes = self._inflight[sid]
+                    scope = trio.CancelScope(deadline=deadline)
+                    scopes.add(scope)
+                    try:
+                        with scope:
+                            item = await items.__anext__()
+                    except SamplerLost as exc:
+                        lost = str(exc)
+                        break
+                    except StopAsyncIteration:
+                        lost = f"sampler {sid} ended the request without an answer"
+                        break
+                    finally:
+                        scopes.discard(scope)
+                    if scope.cancelled_caught:
+                        cut = True
+                        break
+                    if isinstance(item, list):
+                        if item:
+                            sent += len(item)
+                            yield m.TokenChunk(request_id=request.request_id, token_ids=item)
+                    else:
+                        result = item
+            except BaseException:  # the caller gave up (cancelled, or closed the stream): the request is over here
                 self.registry.ended(sid, trio.current_time(), ran=t_start is not None, mark=mark, record=record)
                 self._notify()
                 raise
             finally:
-                live = self._inflight.get(sid)
-                if live is not None:
-                    live.discard(scope)
+                with trio.CancelScope(shield=True):
+                    await items.aclose()  # the sampler drops the request if it still holds it
                 if key is not None and self.affinity is not None:
                     self.affinity.ended(key)
             now = trio.current_time()
-            if result is None and lost is None:  # our scope was cancelled
-                if sid in self.handles:  # not by mark_dead: the deadline passed
+            if cut:
+                if sid in self.handles and self.handles[sid] is handle:  # not by mark_dead: the deadline passed
                     lost = f"no answer within request_timeout_s={self.request_timeout_s}"
                     self.mark_dead(sid, lost)
                 else:
@@ -326,17 +382,26 @@ class SamplerPool:
             if ok:
                 self.answered += 1
                 price = record.price_per_hour
-                return msgspec.structs.replace(result, cost_usd=price / 3600.0 * busy_s)
+                yield msgspec.structs.replace(result, cost_usd=price / 3600.0 * busy_s)
+                return
             if isinstance(result, m.GenerateFailed) and not result.retryable:
                 self.failed += 1
-                return result
+                yield result
+                return
             problems.append(f"{sid}: {lost if lost is not None else result.reason}")
+            if sent:
+                self.failed += 1
+                yield m.GenerateFailed(request_id=request.request_id, retryable=True,
+                                       reason=f"{problems[-1]} (after streaming {sent} tokens; a stream is "
+                                              "not resumed on another sampler)")
+                return
             self.rerouted += 1
             self._emit("request re-routed", request=request.request_id, sampler=sid, why=problems[-1])
             if len(problems) >= self.max_tries:
                 self.failed += 1
-                return m.GenerateFailed(request_id=request.request_id, retryable=True,
-                                        reason=f"failed on {len(problems)} samplers: " + "; ".join(problems))
+                yield m.GenerateFailed(request_id=request.request_id, retryable=True,
+                                       reason=f"failed on {len(problems)} samplers: " + "; ".join(problems))
+                return
 
     # -- local samplers -------------------------------------------------------------------
     async def keep_local(self, sampler_id: str, factory: Callable[[], Any], *, price_per_hour: float,
@@ -385,3 +450,16 @@ class SamplerPool:
     def _emit(self, event: str, level: str = "info", **kw: Any) -> None:
         if self.log is not None:
             getattr(self.log, level)(event, **kw)
+
+
+async def _handle_items(handle: SamplerHandle, request: m.GenerateRequest, started: Callable[[], None],
+                        streamed: bool) -> AsyncIterator[list[int] | m.Generation | m.GenerateFailed]:
+    """What `handle` sends back for `request`: its ``stream`` (chunks of token ids, then
+    the answer) when `streamed` and it has one, else its ``generate``'s answer alone."""
+    stream = getattr(handle, "stream", None) if streamed else None
+    if stream is None:
+        yield await handle.generate(request, started)
+        return
+    async with aclosing(stream(request, started)) as items:
+        async for item in items:
+            yield item

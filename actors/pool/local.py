@@ -12,7 +12,7 @@ loads them as the new version (it casts or re-quantises to its own dtype).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import trio
@@ -36,6 +36,11 @@ class SamplerHandle(Protocol):
                        ) -> m.Generation | m.GenerateFailed:
         """Answer `request`; call `started()` when it begins running. Raises SamplerLost."""
         ...
+
+    # A handle may also offer ``stream(request, started)``: an async iterator of lists of
+    # new token ids (sent when ``request.stream``, as the sampler produces them), then
+    # the answer; raises SamplerLost. Closing it early gives the request up. The pool
+    # uses it when it is there (`LocalSampler`, `remote_server.RemoteSampler` have it).
 
     async def health(self) -> bool:
         """A real check (a forward pass, or a recent heartbeat)."""
@@ -65,6 +70,14 @@ class LocalSampler:
         if self._closed:
             raise SamplerLost(f"sampler {self.sampler_id} is closed")
         return await self.batcher.submit(request, started)
+
+    def stream(self, request: m.GenerateRequest, started: Callable[[], None]
+               ) -> AsyncIterator[list[int] | m.Generation | m.GenerateFailed]:
+        """`generate`, with the tokens of a ``stream=True`` request as they are decoded
+        (`Batcher.stream`)."""
+        if self._closed:
+            raise SamplerLost(f"sampler {self.sampler_id} is closed")
+        return self.batcher.stream(request, started)
 
     def statistics(self) -> BatchStatistics:
         return self.batcher.statistics()

@@ -5,7 +5,9 @@ conversation), sends `Join`, and on `Welcome` catches up with the trainer's weig
 (when a delta store URL is given: actors/weights' `HttpBlobSource` + `Follower`), reports
 `SamplerStatus`, then serves `GenerateRequest`s with its backend (at most ``capacity``
 at once; concurrent ones decoded as batches of at most ``max_batch`` through the same
-`batcher.Batcher` as local samplers) and follows every `WeightVersionAvailable`.
+`batcher.Batcher` as local samplers; a request with ``stream=True`` gets `TokenChunk`s
+of its tokens as they are decoded, before its answer, coalesced while a send is under
+way) and follows every `WeightVersionAvailable`.
 Heartbeats go out every ``heartbeat_s``; a daemon silent for ``5 x heartbeat_s`` counts
 as lost.
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import socket
 import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -213,8 +215,17 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
             await status()
 
         async def serve(req: m.GenerateRequest) -> None:
+            answer: m.Generation | m.GenerateFailed | None = None
             try:
-                answer = await batcher.submit(req, lambda: None)
+                if req.stream:  # tokens out as TokenChunks while decoding, the answer last
+                    async with aclosing(batcher.stream(req, lambda: None)) as items:
+                        async for item in items:
+                            if isinstance(item, list):
+                                await send(m.TokenChunk(request_id=req.request_id, token_ids=item))
+                            else:
+                                answer = item
+                else:
+                    answer = await batcher.submit(req, lambda: None)
             except SamplerLost as exc:
                 answer = m.GenerateFailed(request_id=req.request_id, retryable=True, reason=str(exc))
             await send(answer)

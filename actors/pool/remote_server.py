@@ -21,8 +21,10 @@ One binary WebSocket message = one msgpack message of the `FLEET` conversation:
    get requests. It sends another after every version switch.
 4. both ways: `Heartbeat` at least every ``heartbeat_s``. The daemon sends
    `GenerateRequest` and `WeightVersionAvailable`; the sampler answers each request
-   with `Generation` or `GenerateFailed`. A frame that does not decode is answered with
-   `Rejected` and the conversation goes on.
+   with `Generation` or `GenerateFailed`, and, for a request with ``stream=True``,
+   sends `TokenChunk`s of its tokens before that answer, as its backend decodes them (a
+   sampler of an earlier release ignores ``stream`` and sends the answer alone). A
+   frame that does not decode is answered with `Rejected` and the conversation goes on.
 5. `Leave`, a closed connection, or ``heartbeat_timeout_s`` of silence: the sampler is
    taken out and the requests it held are routed to others (`SamplerPool.mark_dead`).
 """
@@ -30,8 +32,11 @@ One binary WebSocket message = one msgpack message of the `FLEET` conversation:
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
+import msgspec
 import trio
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
@@ -60,53 +65,90 @@ class RemoteSampler:
         self.capacity = capacity
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._slots = trio.Semaphore(capacity)
-        self._pending: dict[str, trio.MemorySendChannel[Any]] = {}
+        self._pending: dict[str, _Pending] = {}
         self.lost: str | None = None
         self.last_heard = trio.current_time()
 
     async def generate(self, request: m.GenerateRequest, started: Any) -> m.Generation | m.GenerateFailed:
+        answer: m.Generation | m.GenerateFailed | None = None
+        if request.stream:  # nobody reads the chunks: do not ask for them
+            request = msgspec.structs.replace(request, stream=False)
+        async with aclosing(self.stream(request, started)) as items:
+            async for item in items:
+                if not isinstance(item, list):
+                    answer = item
+        assert answer is not None
+        return answer
+
+    async def stream(self, request: m.GenerateRequest, started: Any
+                     ) -> AsyncIterator[list[int] | m.Generation | m.GenerateFailed]:
+        """Send `request`; yield the ids of each `TokenChunk` the sampler sends for it
+        (``request.stream``), then its answer. Raises SamplerLost."""
         async with self._slots:
             if self.lost is not None:
                 raise SamplerLost(f"remote {self.sampler_id}: {self.lost}")
             if request.request_id in self._pending:
                 raise SamplerLost(f"remote {self.sampler_id} already holds request {request.request_id}")
-            tx, rx = trio.open_memory_channel[Any](1)
-            self._pending[request.request_id] = tx
+            pending = _Pending()
+            self._pending[request.request_id] = pending
             try:
                 started()
                 try:
                     await self._send(request)
                 except Exception as exc:
                     raise SamplerLost(f"remote {self.sampler_id}: send failed: {exc}") from exc
-                try:
-                    return await rx.receive()
-                except trio.EndOfChannel:
-                    raise SamplerLost(f"remote {self.sampler_id}: {self.lost}") from None
+                while True:
+                    await pending.wake.wait()
+                    pending.wake = trio.Event()
+                    if pending.tokens:
+                        ids, pending.tokens = pending.tokens, []
+                        yield ids
+                    if pending.answer is not None:
+                        yield pending.answer
+                        return
+                    if pending.lost:
+                        raise SamplerLost(f"remote {self.sampler_id}: {self.lost}")
             finally:
-                self._pending.pop(request.request_id, None)
+                if self._pending.get(request.request_id) is pending:
+                    del self._pending[request.request_id]
 
-    def resolve(self, msg: m.Generation | m.GenerateFailed) -> bool:
-        """Hand an answer to the waiting request; False if nobody waits for it."""
-        tx = self._pending.get(msg.request_id)
-        if tx is None:
+    def resolve(self, msg: m.Generation | m.GenerateFailed | m.TokenChunk) -> bool:
+        """Hand an answer (or a chunk of tokens) to the waiting request; False if nobody
+        waits for it."""
+        pending = self._pending.get(msg.request_id)
+        if pending is None or pending.answer is not None or pending.lost:
             return False
-        try:
-            tx.send_nowait(msg)
-        except (trio.WouldBlock, trio.ClosedResourceError):
-            return False
+        if isinstance(msg, m.TokenChunk):
+            pending.tokens.extend(msg.token_ids)
+        else:
+            pending.answer = msg
+        pending.wake.set()
         return True
 
     def lose(self, reason: str) -> None:
         if self.lost is None:
             self.lost = reason
-        for tx in self._pending.values():
-            tx.close()
+        for pending in self._pending.values():
+            pending.lost = True
+            pending.wake.set()
 
     async def health(self) -> bool:
         return self.lost is None and trio.current_time() - self.last_heard <= self.heartbeat_timeout_s
 
     async def aclose(self) -> None:
         self.lose("closed")
+
+
+class _Pending:
+    """One request sent to a remote sampler: what has come back for it so far."""
+
+    __slots__ = ("answer", "lost", "tokens", "wake")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.answer: m.Generation | m.GenerateFailed | None = None
+        self.lost = False
+        self.wake = trio.Event()
 
 
 def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float = 2.0,
@@ -205,7 +247,7 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
                             await send(Rejected(kind=exc.kind, detail=str(exc.detail)[:1024]))
                             continue
                         pool.heard_from(sid)
-                        if isinstance(msg, (m.Generation, m.GenerateFailed)):
+                        if isinstance(msg, (m.Generation, m.GenerateFailed, m.TokenChunk)):
                             handle.resolve(msg)
                         elif isinstance(msg, m.SamplerStatus):
                             if not joined:

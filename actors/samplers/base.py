@@ -17,6 +17,16 @@ The record is the wire `fleetrl.daemon.messages.Generation` itself, built by
 backend name) until whoever serves the backend stamps its own. Backends take the wire
 `fleetrl.daemon.messages.SamplingParams`, which checks itself.
 
+Streaming: a backend may also report tokens *as it produces them*. Its ``generate`` (and
+``start``, for a backend that decodes step by step) then takes a keyword
+``on_tokens: TokenSink``, called from the decode loop with ``(prompt index, new token
+ids)`` after each step that produced tokens for that prompt, before the prompt's
+`Generation` is handed back; the ids of one prompt's calls concatenate to its
+``Generation.token_ids``. A backend that can do this says so with a class attribute
+``streams_tokens = True`` (`streams_tokens`); the torch backend calls the sink every
+decode step, the vLLM backend every engine step. The sink runs in the backend's thread
+and must be quick (the sampler pool posts the ids to the Trio thread).
+
 Backends are synchronous and CPU/GPU bound: an actor calls them from a worker thread
 (``trio.to_thread.run_sync``). Weight updates may arrive from another thread while a
 generation runs; a backend applies them between two decode steps, never inside one.
@@ -25,7 +35,7 @@ generation runs; a backend applies them between two decode steps, never inside o
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -44,6 +54,7 @@ __all__ = [
     "Health",
     "SamplerBackend",
     "TokenLog",
+    "TokenSink",
     "WeightVersion",
     "backend_identity",
     "check_prompts",
@@ -52,6 +63,7 @@ __all__ = [
     "files_digest",
     "served_identity",
     "stamp",
+    "streams_tokens",
 ]
 
 SAMPLER_TOL = 1e-6
@@ -65,6 +77,16 @@ _COMPUTE_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "fp8": torch.bfloat16,  # fp8 samplers store projections in fp8 and compute in bf16
 }
+
+
+TokenSink = Callable[[int, list[int]], None]
+"""``sink(prompt index, new token ids)``: called by a streaming backend from its decode
+loop (module docstring, "Streaming")."""
+
+
+def streams_tokens(backend: object) -> bool:
+    """Whether ``backend`` accepts an ``on_tokens`` sink (it sets ``streams_tokens = True``)."""
+    return getattr(backend, "streams_tokens", False) is True
 
 
 def compute_dtype(dtype: str) -> torch.dtype:

@@ -51,6 +51,7 @@ from fleetrl.actors.samplers.base import (
     BackendBase,
     Health,
     TokenLog,
+    TokenSink,
     WeightVersion,
     backend_identity,
     check_prompts,
@@ -102,6 +103,9 @@ class TorchBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 class TorchBackend(BackendBase):
     """Reference sampler backend (see the module docstring). Implements SamplerBackend."""
 
+    streams_tokens = True
+    """``generate`` and ``start`` take an ``on_tokens`` sink, called every decode step."""
+
     def __init__(self, config: TorchBackendConfig, *, version: WeightVersion | None = None) -> None:
         """Load the weights of `config.model_dir` as `version`.
 
@@ -145,9 +149,11 @@ class TorchBackend(BackendBase):
 
     # -- SamplerBackend ---------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """Generate for every prompt; versions may change between steps (see apply_update)."""
-        run = self.start(prompts, params)
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 on_tokens: TokenSink | None = None) -> list[Generation]:
+        """Generate for every prompt; versions may change between steps (see apply_update).
+        ``on_tokens(i, ids)`` gets each step's new token of prompt ``i`` (`DecodeRun`)."""
+        run = self.start(prompts, params, on_tokens=on_tokens)
         while not run.done:
             run.step()
         return run.results()
@@ -191,9 +197,10 @@ class TorchBackend(BackendBase):
 
     # -- stepwise decoding ----------------------------------------------------------
 
-    def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> DecodeRun:
+    def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+              on_tokens: TokenSink | None = None) -> DecodeRun:
         """Begin a generation that the caller advances with `DecodeRun.step()`."""
-        return DecodeRun(self, prompts, params)
+        return DecodeRun(self, prompts, params, on_tokens=on_tokens)
 
     def check_generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[int]:
         """Check prompts and params as `generate` would, without running anything.
@@ -238,9 +245,15 @@ class DecodeRun:
     Prompts are left-padded into one cache; rows that finish (a stop id, their token
     budget, or the context length) leave the batch, so later steps compute only for the
     rows still running.
+
+    ``on_tokens(i, [token])``, when given, is called in every step for every prompt ``i``
+    that step sampled a token for, in prompt order, before the step returns (so before
+    `take_finished` hands out a prompt that the step finished).
     """
 
-    def __init__(self, backend: TorchBackend, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+    def __init__(self, backend: TorchBackend, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 on_tokens: TokenSink | None = None) -> None:
+        self._on_tokens = on_tokens
         shape = backend.shape
         self._backend = backend
         self._params = params
@@ -345,19 +358,42 @@ class DecodeRun:
         lps_rows = support_lps.tolist()
         for j, (row, tok, lp, size) in enumerate(zip(self._active.tolist(), tokens.tolist(), token_lps.tolist(), sizes)):
             self._logs[row].add(tok, lp, ids_rows[j][:size], lps_rows[j][:size], version)
+            if self._on_tokens is not None:
+                self._on_tokens(row, [tok])
         if bool(finished.any()):
             for j in finished.nonzero().flatten().tolist():
                 row = int(self._active[j])
                 self._logs[row].finish = "stop" if bool(stopped[j]) else "length"
                 self._fresh.append(row)
             keep = (~finished).nonzero().flatten()
-            self._active = self._active[keep]
-            self._pads = self._pads[keep]
-            self._budget_t = self._budget_t[keep]
-            self._count = self._count[keep]
-            self._cache.keep_rows(keep)
+            self._keep(keep)
             tokens = tokens[keep]
         self._next = tokens
+
+    def _keep(self, keep: torch.Tensor) -> None:
+        """Only the running rows at positions `keep` decode on."""
+        self._active = self._active[keep]
+        self._pads = self._pads[keep]
+        self._budget_t = self._budget_t[keep]
+        self._count = self._count[keep]
+        self._cache.keep_rows(keep)
+
+    def abort(self, i: int) -> bool:
+        """Stop decoding prompt ``i`` (nobody waits for it any more): it finishes now, with
+        the tokens it has and finish reason ``"abort"``, and `take_finished` hands it out;
+        later steps compute only for the other rows. Returns whether it was still running.
+        Before the first step (the prefill) nothing is aborted: returns False."""
+        if self._next is None or self.done:
+            return False
+        running = self._active != i
+        if bool(running.all()):
+            return False
+        self._logs[i].finish = "abort"
+        self._fresh.append(i)
+        keep = running.nonzero().flatten()
+        self._keep(keep)
+        self._next = self._next[keep]
+        return True
 
     def take_finished(self) -> list[tuple[int, Generation]]:
         """``(prompt index, generation)`` of the prompts that finished since the last call

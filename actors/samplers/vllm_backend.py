@@ -49,6 +49,7 @@ from fleetrl.actors.model.tiny_llama import read_state_dict
 from fleetrl.actors.samplers.base import (
     BackendBase,
     Health,
+    TokenSink,
     WeightVersion,
     backend_identity,
     check_prompts,
@@ -175,9 +176,14 @@ class VllmBackend(BackendBase):
         """Engine steps run so far by this backend (each decodes one token per running request)."""
         return self._steps
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    streams_tokens = True
+    """``generate`` takes an ``on_tokens`` sink, called with each engine step's new tokens."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 on_tokens: TokenSink | None = None) -> list[Generation]:
         """Generate for every prompt (vLLM decodes them as one batch); weight updates land
-        between engine steps."""
+        between engine steps. ``on_tokens(i, ids)`` gets the tokens each engine step
+        produced for prompt ``i`` (vLLM's ``DELTA`` outputs: normally one per step)."""
         rows = self._check(prompts, params)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         with self._engine_lock:
@@ -185,7 +191,7 @@ class VllmBackend(BackendBase):
                 raise SamplerError("this vLLM backend is closed")
             if torch.get_num_threads() != self._torch_threads:
                 torch.set_num_threads(self._torch_threads)
-            return self._run(rows, params, seed)
+            return self._run(rows, params, seed, on_tokens)
 
     def check_generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
         """Check prompts and params as `generate` would, without touching the engine.
@@ -292,7 +298,8 @@ class VllmBackend(BackendBase):
             extra_args=None if greedy else {SUPPORT_ARG: [params.top_p, params.top_k or 0]},
         )
 
-    def _run(self, rows: list[list[int]], params: SamplingParams, seed: int) -> list[Generation]:
+    def _run(self, rows: list[list[int]], params: SamplingParams, seed: int,
+             on_tokens: TokenSink | None = None) -> list[Generation]:
         engine = self._engine
         self._calls += 1
         tag = f"fleetrl-{self._calls}-{secrets.token_hex(4)}"
@@ -316,6 +323,8 @@ class VllmBackend(BackendBase):
                     if i is None:
                         raise SamplerError(f"vLLM returned output for unknown request {out.request_id!r}")
                     collected[i].add(out, version, params.temperature == 0)
+                    if on_tokens is not None and out.outputs and out.outputs[0].token_ids:
+                        on_tokens(i, [int(t) for t in out.outputs[0].token_ids])
             self._drain_pending()
         except BaseException:
             _abort(engine, list(index))

@@ -62,9 +62,9 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     centering_norm: float = 0.0
     weight_mean: float = 0.0
     staleness_hist: dict[int, int] = {}
+    """Groups of this batch by ``trainer version - oldest token version``."""
     retokenization_breaks: dict[str, int] = {}
     """Breaks in the trained trajectories' token streams, by cause (harness.chat.BREAK_CAUSES)."""
-    """Groups of this batch by ``trainer version - oldest token version``."""
     step_s: float = 0.0
     elapsed_s: float = 0.0
     """The trainer's wall-clock seconds so far, restarts summed (set by the trainer)."""

@@ -15,6 +15,7 @@ tests/conftest.py puts ``tests/common`` on ``sys.path`` for every folder.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
@@ -126,22 +127,41 @@ class FakeModel:
 
 
 class PairTokenizer:
-    """Bytes 0..255, <bos> 256, <eos> 257, and 258 = "ab" (encode merges greedily)."""
+    """Bytes 0..255, <bos> 256, <eos> 257, and 258 = "ab" (encode merges greedily;
+    the text "<bos>"/"<eos>" encodes to its special id). ``render`` is the byte
+    tokenizer's chat template (``CHAT_TEMPLATE``), rendered by transformers."""
 
     bos_id = 256
     eos_id = 257
+    eos_token = "<eos>"
     vocab_size = 259
+    _hf = None
+
+    def render(self, messages, tools, add_generation_prompt: bool) -> str:
+        from fleetrl.actors.model import build_byte_tokenizer
+        from fleetrl.harness.chat import template_messages
+
+        if PairTokenizer._hf is None:
+            PairTokenizer._hf = build_byte_tokenizer()
+        return PairTokenizer._hf.apply_chat_template(
+            template_messages(messages), tools=list(tools) if tools is not None else None,
+            add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def encode(self, text: str) -> list[int]:
-        data = text.encode()
-        out, i = [], 0
-        while i < len(data):
-            if data[i:i + 2] == b"ab":
-                out.append(258)
-                i += 2
-            else:
-                out.append(data[i])
-                i += 1
+        out: list[int] = []
+        for part in re.split(r"(<bos>|<eos>)", text):
+            if part in ("<bos>", "<eos>"):
+                out.append(self.bos_id if part == "<bos>" else self.eos_id)
+                continue
+            data = part.encode()
+            i = 0
+            while i < len(data):
+                if data[i:i + 2] == b"ab":
+                    out.append(258)
+                    i += 2
+                else:
+                    out.append(data[i])
+                    i += 1
         return out
 
     def decode(self, ids: Sequence[int]) -> str:

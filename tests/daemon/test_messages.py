@@ -139,8 +139,10 @@ STRATEGIES: dict[type[Message], st.SearchStrategy] = {
         prompt_ids=st.integers(1, 8).flatmap(lambda n: vectors(n, ("int32", "int64"))),
         params=sampling_params,
         min_version=uint,
+        stream=st.booleans(),
     ),
     m.Generation: generations(),
+    m.TokenChunk: st.builds(m.TokenChunk, request_id=text, token_ids=st.lists(uint, max_size=8)),
     m.GenerateFailed: st.builds(m.GenerateFailed, request_id=text, reason=text, retryable=st.booleans()),
     Rejected: st.builds(Rejected, kind=text, detail=text),
     m.WeightVersionAvailable: weight_versions(),
@@ -213,7 +215,7 @@ def test_every_message_round_trips_through_each_of_its_conversations(cls, data):
 
 
 def test_conversations():
-    assert set(m.SAMPLER.types) == {m.GenerateRequest, m.Generation, m.GenerateFailed, Rejected}
+    assert set(m.SAMPLER.types) == {m.GenerateRequest, m.Generation, m.GenerateFailed, m.TokenChunk, Rejected}
     assert set(m.FLEET.types) >= set(m.SAMPLER.types) | set(m.WEIGHTS.types)
     assert {m.Join, m.Welcome, m.Refused, m.Heartbeat, m.Leave} <= set(m.FLEET.types)
     assert Rejected not in m.WEIGHTS.types and not m.WEIGHTS.error_reply

@@ -18,7 +18,7 @@ import trio
 from fleetrl.actors.endpoint import EndpointActorConfig, base_url_of
 from fleetrl.actors.envworker import EnvWorkerConfig
 from fleetrl.daemon.config import ConfigError, load_config_text
-from fleetrl.harness.chat import ChatMessage, render_chat
+from fleetrl.harness.chat import ChatMessage
 from fleetrl.harness.model import HFChatTokenizer
 
 from .conftest import endpoint_toml, make_daemon
@@ -70,7 +70,8 @@ async def test_openai_client_gets_answers_from_the_daemon_and_bad_keys_get_401(t
     # the handle's statistics, live: one attempt was open when /status and /metrics were read
     assert status.json()["actors"]["endpoint"]["statistics"] == {
         "open_attempts": 1, "calls_in_flight": 0, "calls_waiting": 0,
-        "rejected_too_many_concurrent_calls": 0, "rejected_endpoint_busy": 0}
+        "rejected_too_many_concurrent_calls": 0, "rejected_endpoint_busy": 0, "answers_with_tool_calls": 0,
+        "tool_calls": 0, "tool_call_parse_failures": 0}
     assert 'fleetrl_actor_statistic{actor="endpoint",name="open_attempts"} 1.0' in metrics.text
     # recorded token-exactly: the second call extends the first (no re-tokenisation)
     c0, c1 = record.calls
@@ -78,7 +79,7 @@ async def test_openai_client_gets_answers_from_the_daemon_and_bad_keys_get_401(t
     assert c0.text == first.choices[0].message.content and c1.text == second.choices[0].message.content
     assert c1.extends == 0 and c1.prompt_ids[: len(c0.prompt_ids) + len(c0.token_ids)] == c0.prompt_ids + c0.token_ids
     tok = HFChatTokenizer.from_pretrained(tiny_model_dir)
-    assert c0.prompt_ids == render_chat(tok, [ChatMessage(role=m["role"], content=m["content"]) for m in msgs])
+    assert c0.prompt_ids == tok.encode(tok.render([ChatMessage(role=m["role"], content=m["content"]) for m in msgs], None, True))
 
 
 def test_the_base_url_is_the_control_planes_and_needs_one(tmp_path):

@@ -233,3 +233,14 @@ def test_the_guide_names_every_variable_and_placeholder():
     guide = (Path(__file__).parents[2] / "docs" / "guides" / "external-harness.md").read_text()
     assert not [v for v in ENV_VARS if f"`{v}`" not in guide]
     assert not [p for p in PLACEHOLDERS if f"`{{{p}}}`" not in guide]
+
+
+def test_relative_paths_of_a_command_resolve_against_the_daemons_directory():
+    cmd = ExternalCommand(argv=(".venv/bin/mini", "-c", "x.yaml", "./agent.py", "../up/a", "{task_file}", "plain"),
+                          cwd="work")
+    got = cmd.relative_to("/srv/run")
+    assert got.argv == ("/srv/run/.venv/bin/mini", "-c", "x.yaml", "/srv/run/agent.py", "/srv/up/a", "{task_file}",
+                        "plain")
+    assert got.cwd == "/srv/run/work"
+    bare = ExternalCommand(argv=("python3", "/abs/agent.py"))
+    assert bare.relative_to("/srv/run") == bare  # a bare name is found in PATH, absolute paths stay

@@ -14,7 +14,6 @@ from fakes import FakeModel, TorchClient, serving
 
 from fleetrl.actors.model import TinyLlamaSpec, create_tiny_llama, save_byte_tokenizer
 from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
-from fleetrl.harness.chat import render_chat
 from fleetrl.harness.external import ExternalCommand, ExternalHarness, run_attempt
 from fleetrl.harness.model import HFChatTokenizer
 from fleetrl.harness.mswea_env import (
@@ -159,7 +158,7 @@ async def test_mini_swe_agent_runs_a_task_in_our_sandbox_against_the_tiny_model(
     assert [m.role for m in second.messages] == ["system", "user", "user"]
     assert second.messages[:2] == first.messages
     for call in record.calls:
-        assert call.prompt_ids == render_chat(tok, call.messages)
+        assert call.prompt_ids == tok.encode(tok.render(call.messages, None, True))
     assert first.prompt_ids[0] == tok.bos_id and len(first.prompt_ids) > 2500  # a ~3,000-character prompt
     # the generated ids and log-probs are the sampler's: a seeded rerun of the backend gives them again
     assert [c.prompt_ids for c in record.calls] == [p for p, _ in model.requests]

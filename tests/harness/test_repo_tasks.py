@@ -261,3 +261,23 @@ def test_cli_from_sdist_writes_tasks_and_names_bad_input(tmp_path, capsys):
     assert "bug 'double-adds': old: snippet found 0 times in mini/mod.py" in capsys.readouterr().err
     assert cli_main(["tasks", "from-sdist", str(sdist), "--out", str(out), "--no-validate"]) == 2
     assert "declares no bugs for mini" in capsys.readouterr().err
+
+
+def test_fetch_sdist_uses_the_cache_and_names_a_failed_download(tmp_path):
+    from fleetrl.harness.repo_tasks_sdist import fetch_sdist
+
+    cached = tmp_path / "some_pkg-1.0.tar.gz"  # PEP 625 file name of "Some-Pkg"
+    cached.write_bytes(b"x")
+    assert fetch_sdist("Some-Pkg", "1.0", tmp_path) == cached
+    with pytest.raises(TaskError, match=r"pip download fleetrl-no-such-package-x9==0\.0\.1"):
+        fetch_sdist("fleetrl-no-such-package-x9", "0.0.1", tmp_path / "empty", timeout_s=120)
+
+
+def test_repo_tasks_actor_refuses_packages_its_bug_file_lacks(tmp_path):
+    from fleetrl.actors.repo_tasks import RepoTasksConfig
+    from fleetrl.actors.repo_tasks.actor import _build
+
+    with pytest.raises(ValueError, match=r"repo_tasks\.packages: nope not in the bug file"):
+        _build(RepoTasksConfig(out=str(tmp_path / "t.jsonl"), packages=("nope",)))
+    with pytest.raises(ValueError, match="at least one package"):
+        RepoTasksConfig(out="x", packages=())

@@ -16,7 +16,6 @@ from fleetrl.harness.builtin import (
     extract_code,
     parse_command,
 )
-from fleetrl.harness.chat import render_chat
 from fleetrl.harness.humaneval_tasks import load_humaneval_tasks
 from fleetrl.harness.protocol import Harness, SetupFailed, evaluate_in_sandbox, prepare_sandbox
 from fleetrl.harness.synthetic import make_task, reference_solution
@@ -67,7 +66,7 @@ async def test_completion_harness_asks_instruction_tasks_as_a_chat(tok):
     sandbox = FakeSandbox()
     episode = await CompletionHarness().run(task, sandbox, model)
     call = episode.record.calls[0]
-    assert call.kind == "chat" and call.prompt_ids == render_chat(tok, call.messages)
+    assert call.kind == "chat" and call.prompt_ids == tok.encode(tok.render(call.messages, None, True))
     assert sandbox.files["/work/solution.py"] == b"def has_close_elements(numbers, threshold):\n    return False\n"
 
 
@@ -104,7 +103,7 @@ async def test_shell_agent_runs_commands_until_submit_with_token_exact_turns(tok
     calls = episode.record.calls
     assert len(calls) == 5 and episode.record.n_new_segments == 1
     for i, call in enumerate(calls):
-        assert call.prompt_ids == model.prompts[i] == render_chat(tok, call.messages)
+        assert call.prompt_ids == model.prompts[i] == tok.encode(tok.render(call.messages, None, True))
         if i:
             assert call.extends == i - 1
             assert call.prompt_ids[: len(calls[i - 1].prompt_ids)] == calls[i - 1].prompt_ids

@@ -17,7 +17,7 @@ from fakes import ASCII, FakeModel, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetrl.harness.chat import ChatMessage, render_chat
+from fleetrl.harness.chat import ChatMessage
 from fleetrl.harness.openai_api import (
     ATTEMPT_HEADER,
     IGNORED_HEADER,
@@ -110,7 +110,7 @@ async def test_twenty_turn_conversation_is_recorded_token_exactly_end_to_end(tok
         prev = record.calls[i - 1]
         assert call.extends == i - 1
         assert call.prompt_ids[: len(prev.prompt_ids) + len(prev.token_ids)] == prev.prompt_ids + prev.token_ids
-    whole = render_chat(tok, [ChatMessage(m["role"], m["content"]) for m in final], add_generation_prompt=False)
+    whole = tok.encode(tok.render([ChatMessage(m["role"], m["content"]) for m in final], None, False))
     last = record.calls[-1]
     tail = last.token_ids if last.token_ids[-1] == tok.eos_id else [*last.token_ids, tok.eos_id]
     assert whole == [*last.prompt_ids, *tail, *tok.encode("\n")]
@@ -153,7 +153,10 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tok):
         ({**good, "max_tokens": 0}, key, 400, "invalid_value", "max_tokens"),
         ({**good, "top_p": 0}, key, 400, "invalid_value", "top_p"),
         ({**good, "stop": ["a", 3]}, key, 400, "invalid_type", "stop"),
-        ({**good, "n": 2}, key, 400, "unsupported_value", "n"),
+        ({**good, "n": 17}, key, 400, "invalid_value", "n"),
+        ({**good, "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, key,
+         400, "unsupported_value", "tool_choice"),
+        ({**good, "messages": [{"role": "tool", "content": "x"}]}, key, 400, "missing", "messages[0].tool_call_id"),
         ({**good, "seed": -1}, key, 400, "invalid_value", "seed"),
         ({**good, "messages": "hi"}, key, 400, "invalid_type", "messages"),
         ({**good, "messages": []}, key, 400, "invalid_value", "messages"),
@@ -201,12 +204,12 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tok):
             with structlog.testing.capture_logs() as logs:
                 r = await http.post("/v1/chat/completions", headers=auth,
                                     json={**good, "frobnicate": 1, "presence_penalty": 0.5, "max_tokens": 1000,
-                                          "messages": [{"role": "user", "content": "hi", "name": "bob"}]})
+                                          "messages": [{"role": "user", "content": "hi", "weight": 1}]})
             (warning,) = [e for e in logs if e["event"] == "openai request parameters ignored"]
             assert warning["log_level"] == "warning" and warning["attempt_id"] == "a"
-            assert warning["ignored"] == ["frobnicate", "presence_penalty", "messages[0].name"]
+            assert warning["ignored"] == ["frobnicate", "presence_penalty", "messages[0].weight"]
             assert r.status_code == 200, r.text
-            assert r.headers[IGNORED_HEADER] == "frobnicate,presence_penalty,messages[0].name"
+            assert r.headers[IGNORED_HEADER] == "frobnicate,presence_penalty,messages[0].weight"
             assert r.json()["usage"]["total_tokens"] <= 64  # max_tokens capped at the room left
             # the server still serves, chat and completions (token-id prompts too)
             r = await http.post("/v1/chat/completions", json=good, headers=auth)
@@ -215,7 +218,7 @@ async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tok):
                                 headers={ATTEMPT_HEADER: key})
             assert r.status_code == 200 and r.json()["object"] == "text_completion"
     record = registry.close_attempt(key)
-    assert [c.ignored_params for c in record.calls] == [("frobnicate", "presence_penalty", "messages[0].name"), (), ()]
+    assert [c.ignored_params for c in record.calls] == [("frobnicate", "presence_penalty", "messages[0].weight"), (), ()]
     assert record.calls[2].prompt_ids == [tok.bos_id, 97]
     assert len(model.prompts) == 3  # no bad request reached the model
 
@@ -285,7 +288,8 @@ json_values = st.recursive(
     max_leaves=12,
 )
 fields = st.sampled_from(["model", "messages", "temperature", "top_p", "max_tokens", "stop", "seed", "n",
-                          "stream", "logprobs", "top_logprobs", "prompt", "stream_options", "echo", "extra"])
+                          "stream", "logprobs", "top_logprobs", "prompt", "stream_options", "echo", "extra", "tools",
+                          "tool_choice", "parallel_tool_calls", "best_of"])
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from fleetrl.actors.endpoint.actor import EndpointHandle
 from fleetrl.harness.errors import ApiError
-from fleetrl.harness.openai_api import AttemptRegistry, EndpointConfig, create_app
+from fleetrl.harness.openai_api import AttemptRegistry, EndpointConfig, ToolCallCounts, create_app
 from fleetrl.harness.openai_limits import RETRY_AFTER_S, CallLimits
 
 
@@ -326,9 +326,11 @@ async def test_malformed_requests_found_by_the_random_test_get_named_400s(tok):
 def test_the_endpoint_statistics_count_calls_and_refusals(tok):
     registry = AttemptRegistry(tok)
     limits = CallLimits(per_attempt=1, waiting=1)
-    handle = EndpointHandle(registry=registry, base_url="", model_name="m", limits=limits)
+    counts = ToolCallCounts()
+    handle = EndpointHandle(registry=registry, base_url="", model_name="m", limits=limits, tool_counts=counts)
     zero = {"open_attempts": 0, "calls_in_flight": 0, "calls_waiting": 0,
-            "rejected_too_many_concurrent_calls": 0, "rejected_endpoint_busy": 0}
+            "rejected_too_many_concurrent_calls": 0, "rejected_endpoint_busy": 0, "answers_with_tool_calls": 0,
+            "tool_calls": 0, "tool_call_parse_failures": 0}
     assert msgspec.to_builtins(handle.statistics()) == zero
     with limits.attempt_slot("k"):
         with pytest.raises(ApiError), limits.attempt_slot("k"):
@@ -336,3 +338,7 @@ def test_the_endpoint_statistics_count_calls_and_refusals(tok):
         assert msgspec.to_builtins(handle.statistics()) == {**zero, "calls_in_flight": 1,
                                                            "rejected_too_many_concurrent_calls": 1}
     assert msgspec.to_builtins(handle.statistics()) == {**zero, "rejected_too_many_concurrent_calls": 1}
+    counts.answers_with_tool_calls, counts.tool_calls, counts.parse_failures = 2, 3, 1
+    assert msgspec.to_builtins(handle.statistics()) == {
+        **zero, "rejected_too_many_concurrent_calls": 1, "answers_with_tool_calls": 2, "tool_calls": 3,
+        "tool_call_parse_failures": 1}

@@ -3,7 +3,6 @@ checking (openai_request) and response bodies and events (openai_response)."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 from fakes import FakeModel
@@ -22,9 +21,7 @@ from fleetrl.harness.openai_request import (
 from fleetrl.harness.openai_response import (
     Reply,
     chat_body,
-    chat_events,
     completion_body,
-    completion_events,
     response_headers,
 )
 
@@ -61,9 +58,10 @@ def test_chat_request_collects_what_it_ignores():
                                                "name": "u"}],
             "max_tokens": 5, "logprobs": True, "top_logprobs": 2, "frequency_penalty": 0.5}
     req = chat_request(body, CONFIG)
-    assert req.messages == [ChatMessage("user", "hi")]
+    assert req.messages == [ChatMessage("user", "hi", name="u")]
     assert (req.max_tokens, req.logprobs, req.top_logprobs) == (5, True, 2)
-    assert req.ignored == ["frequency_penalty", "messages[0].name"]
+    assert req.ignored == ["frequency_penalty"]
+    assert (req.tools, req.tool_choice, req.parse_tool_calls, req.common.n) == (None, "none", False, 1)
     err = api_error(chat_request, {**body, "logprobs": False}, CONFIG)
     assert (err.status, err.param) == (400, "top_logprobs")
     err = api_error(chat_request, {**body, "model": "other"}, CONFIG)
@@ -101,20 +99,10 @@ async def test_response_bodies_and_events_carry_the_recorded_call(tok):
     rec = recorder.record_chat(messages, plan, gen, ignored_params=["seed_x"])
     reply = Reply(id="chatcmpl-1", created=7, model="fleetrl")
 
-    body = chat_body(reply, rec, None)
+    body = chat_body(reply, [rec], [None])
     assert body["choices"][0]["message"] == {"role": "assistant", "content": rec.text}
     assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == len(rec.token_ids)
-    assert response_headers(rec) == {"X-Fleetrl-Call": "0", "X-Fleetrl-Ignored-Params": "seed_x"}
+    assert response_headers([rec]) == {"X-Fleetrl-Call": "0", "X-Fleetrl-Ignored-Params": "seed_x"}
 
-    events = chat_events(reply, tok, rec, None, include_usage=True)
-    assert events[-1] == b"data: [DONE]\n\n" and all(e.startswith(b"data: ") for e in events)
-    chunks = [json.loads(e[6:]) for e in events[:-1]]
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == rec.text
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"] == body["usage"]
-
-    text = completion_body(Reply(id="cmpl-1", created=7, model="fleetrl"), rec, None)
+    text = completion_body(Reply(id="cmpl-1", created=7, model="fleetrl"), [rec], [None])
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == rec.text
-    events = completion_events(reply, tok, rec, None, include_usage=False)
-    pieces = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
-    assert "".join(pieces) == rec.text and len(pieces) > 2

@@ -64,3 +64,29 @@ def test_saved_directory_loads_in_transformers(tmp_path):
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
     assert chat == "<bos><|user|>\nhi<eos>\n<|assistant|>\n"
+
+
+def test_special_token_text_encodes_to_its_id_for_the_chat_layout():
+    """The chat template writes <bos>/<eos> as text; ``encode`` (no added specials) maps
+    that text to the special ids, as apply_chat_template(tokenize=True) does."""
+    from fleetrl.harness.model import HFChatTokenizer
+
+    tok = HFChatTokenizer(TOK)
+    assert tok.encode("<bos><|user|>\nhi<eos>\n") == [BOS_ID, *b"<|user|>\nhi", EOS_ID, *b"\n"]
+    assert tok.encode("<pad>") == [PAD_ID] and tok.encode("<eo") == [*b"<eo"]
+    assert tok.eos_token == "<eos>"
+
+
+def test_saved_template_renders_tools_in_transformers(tmp_path):
+    save_byte_tokenizer(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    tools = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "run", "arguments": {"cmd": "ls"}}}]},
+            {"role": "tool", "content": "a.txt", "tool_call_id": "c"}]
+    text = loaded.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert text == ('<bos><|system|>\n# Tools\n{"type": "function", "function": {"name": "run", "parameters": '
+                    '{"type": "object"}}}\nTo call a tool, answer <tool_call>{"name": ..., "arguments": {...}}'
+                    '</tool_call><eos>\n<|user|>\nhi<eos>\n<|assistant|>\n<tool_call>{"name": "run", "arguments": '
+                    '{"cmd": "ls"}}</tool_call><eos>\n<|tool|>\na.txt<eos>\n<|assistant|>\n')

@@ -166,7 +166,7 @@ def test_cli_errors(make_state, tmp_path, capsys):
     (state / "actors" / "trainer" / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
     assert report_main(["report", str(state), "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
-    assert f"metrics.jsonl:2: not valid JSON" in err
+    assert "metrics.jsonl:2: not valid JSON" in err
 
 
 def test_fleetrl_report_command_runs_in_a_subprocess(make_state, tmp_path):

@@ -48,3 +48,34 @@ def test_check_generate_refuses_what_generate_refuses_and_decodes_nothing(fp32_b
             fp32_backend.check_generate(prompts, params)
         with pytest.raises(BadGenerateRequest, match=match):
             fp32_backend.generate(prompts, params)
+
+
+def test_on_tokens_gets_every_token_of_every_prompt_before_it_finishes(fp32_backend):
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop_ids=(101,))
+    seen: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    run = fp32_backend.start(PROMPTS, params, on_tokens=lambda i, ids: seen[i].extend(ids))
+    while not run.done:
+        steps_before = {i: len(ids) for i, ids in seen.items()}
+        run.step()
+        for i, gen in run.take_finished():  # every token of a finished prompt was reported
+            assert seen[i] == gen.token_ids.to_numpy().tolist()
+        assert all(len(seen[i]) - steps_before[i] <= 1 for i in seen)  # one token per step
+    assert [seen[i] for i in range(len(PROMPTS))] == [g.token_ids.to_numpy().tolist() for g in run.results()]
+    assert run.results() == fp32_backend.generate(PROMPTS, params)  # the sink changes nothing
+
+
+def test_abort_ends_one_prompt_at_a_step_boundary_and_the_others_decode_on(fp32_backend):
+    params = SamplingParams(max_tokens=5, temperature=0.0)  # greedy: rows independent of each other
+    alone = fp32_backend.generate(PROMPTS[1:], params)
+    run = fp32_backend.start(PROMPTS, params)
+    assert run.abort(0) is False  # nothing to abort before the prefill
+    run.step()
+    run.step()
+    assert run.abort(0) is True and run.abort(0) is False
+    [(i, gen)] = run.take_finished()
+    assert i == 0 and gen.finish_reason == "abort" and gen.num_tokens == 2
+    while not run.done:
+        run.step()
+    results = run.results()
+    assert results[0] == gen
+    assert [g.token_ids for g in results[1:]] == [g.token_ids for g in alone]

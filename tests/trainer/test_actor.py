@@ -8,7 +8,6 @@ import random
 from functools import partial
 from pathlib import Path
 
-import pytest
 import torch
 import trio
 from safetensors.torch import load as st_load

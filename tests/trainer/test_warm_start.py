@@ -14,7 +14,6 @@ import trio
 from fleetrl.actors.recipe import WarmRecipe, check_warm_dir
 from fleetrl.actors.warm_start import WarmStartConfig, point_link
 from fleetrl.daemon.config import load_config_text
-from fleetrl.daemon.faults import ExitCode
 from fleetrl.daemon.state import StateDir
 from fleetrl.daemon.supervisor import Supervisor
 

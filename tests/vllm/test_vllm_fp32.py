@@ -338,3 +338,17 @@ def test_update_during_a_generation_lands_between_steps(backend, model_dir):
     assert versions[0] == start and versions[-1] == start + 1
     backend.load_version(original, WeightVersion(start + 2, "restored"))
 
+
+
+def test_on_tokens_streams_each_engine_step(backend):
+    assert backend.streams_tokens is True
+    params = SamplingParams(max_tokens=7, top_p=0.9, seed=4)
+    seen: dict[int, list[list[int]]] = {i: [] for i in range(len(PROMPTS))}
+    steps = backend.engine_steps
+    gens = backend.generate(PROMPTS, params, on_tokens=lambda i, ids: seen[i].append(list(ids)))
+    for i, gen in enumerate(gens):  # every token reported, in order, about one per engine step
+        assert [t for ids in seen[i] for t in ids] == gen.token_ids.to_numpy().tolist()
+        assert all(len(ids) >= 1 for ids in seen[i]) and len(seen[i]) >= gen.num_tokens // 2
+    assert backend.engine_steps - steps >= 7
+    again = backend.generate(PROMPTS, params)
+    assert [g.token_ids for g in again] == [g.token_ids for g in gens]  # the sink changes nothing
