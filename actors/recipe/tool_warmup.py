@@ -11,15 +11,14 @@ system turn, the request and the tool's output are context, never targets. The f
 ``plain_steps`` batches (`WarmRecipe.plain_steps`) render the same conversations without
 the tools list: a short context in which the tiny model learns the two lookups quickly.
 
-`render_conversation` turns OpenAI-format messages into the template's text
-(arguments are parsed from their JSON text into objects, as the template formats them);
+`render_conversation` turns OpenAI-format messages into the template's text exactly as
+the endpoint renders a request (`HFChatTokenizer.render`);
 `encode_conversation` finds the assistant spans by rendering each prefix with and
 without the generation prompt. Pure, given the tokenizer.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +27,8 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from fleetrl.actors.model.byte_tokenizer import EOS_ID, PAD_ID
+from fleetrl.harness.chat import ChatMessage, ToolCall
+from fleetrl.harness.model import HFChatTokenizer
 from fleetrl.harness.synthetic_tools import TOOLS, reference_messages, tool_task_stream
 from fleetrl.harness.tasks import Task
 
@@ -37,30 +38,28 @@ __all__ = [
     "MaskedExample",
     "collate_masked",
     "encode_conversation",
+    "chat_message",
     "encode_tool_example",
     "render_conversation",
     "tool_training_batches",
 ]
 
 
-def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in message.items() if v is not None}
-    out.setdefault("content", "")
-    if message.get("tool_calls"):
-        out["tool_calls"] = [
-            {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"] or "{}")}}
-            for call in message["tool_calls"]]
-    return out
+def chat_message(message: Mapping[str, Any]) -> ChatMessage:
+    """An OpenAI-format message as the endpoint's `ChatMessage`."""
+    calls = tuple(ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+                  for c in message.get("tool_calls") or ())
+    return ChatMessage(message["role"], message.get("content") or "", tool_calls=calls,
+                       tool_call_id=message.get("tool_call_id"), name=message.get("name"))
 
 
 def render_conversation(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Mapping[str, Any]],
                         tools: Sequence[Mapping[str, Any]] | None, *, add_generation_prompt: bool) -> str:
-    """The chat template's text of OpenAI-format ``messages`` with ``tools``."""
-    text = tokenizer.apply_chat_template([_template_message(m) for m in messages],
-                                         tools=list(tools) if tools else None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-    assert isinstance(text, str)
-    return text
+    """The chat template's text of OpenAI-format ``messages`` with ``tools``, rendered as
+    the endpoint renders a request (`HFChatTokenizer.render`)."""
+    return HFChatTokenizer(tokenizer).render([chat_message(m) for m in messages],
+                                             [dict(t) for t in tools] if tools else None,
+                                             add_generation_prompt)
 
 
 class MaskedExample(msgspec.Struct, frozen=True):

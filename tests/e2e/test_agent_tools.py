@@ -55,7 +55,7 @@ def _config(state: Path, cache: Path) -> str:
         "actors.warm_start.config": {"cache_dir": f'"{cache}"'},
         "actors.trainer.config": {"max_steps": str(STEPS), "time_budget_s": None, "progress": "false",
                                   "record_batches": str(RECORDED)},
-        "actors.env.config": {"harness_config": f'{{ argv = {argv}, cwd = "{REPO}", timeout_s = 60 }}'},
+        "actors.env.config": {"harness_config": f'{{ argv = {argv}, timeout_s = 60 }}'},
         "actors.evaluator.config": {"progress": "false"},
     }, text=text)
 
