@@ -53,7 +53,9 @@ def _config(state: Path, cache: Path) -> str:
     return derive(state, {
         "logging": {"console": '"none"'},
         "actors.warm_start.config": {"cache_dir": f'"{cache}"'},
-        "actors.trainer.config": {"max_steps": str(STEPS), "time_budget_s": None, "progress": "false",
+        # the time budget stays as a safety: a policy that collapses (every group zero-variance)
+        # takes no more steps, and the run must still end by itself
+        "actors.trainer.config": {"max_steps": str(STEPS), "time_budget_s": "1800.0", "progress": "false",
                                   "record_batches": str(RECORDED)},
         "actors.env.config": {"harness_config": f'{{ argv = {argv}, timeout_s = 60 }}'},
         "actors.evaluator.config": {"progress": "false"},
