@@ -17,6 +17,7 @@ from .config import (
     PoolModel,
     SandboxSettings,
     SyntheticTasks,
+    ToolLookupTasks,
 )
 from .cursor import CursorState, TaskCursor
 from .group import AttemptTicket, GroupResult, GroupStateError, GroupTracker
@@ -31,4 +32,4 @@ __all__ = ["DEFAULT_MAX_TRIES", "FAILURE_KINDS", "AttemptTicket", "CursorState",
            "EnvWorkerStatistics", "Failed", "Inbox", "open_model",
            "GroupResult", "GroupStateError", "GroupTracker", "HumanEvalTasks", "JsonlTasks", "LocalModel",
            "LocalModelClient", "PoolModel", "PoolModelClient", "RetryPolicy", "SandboxSettings",
-           "SyntheticTasks", "TaskCursor", "group_id_of", "load_harness", "run", "sandbox_limits"]
+           "SyntheticTasks", "TaskCursor", "ToolLookupTasks", "group_id_of", "load_harness", "run", "sandbox_limits"]

@@ -12,7 +12,7 @@ import msgspec
 from .policy import RetryPolicy
 
 __all__ = ["EXTERNAL", "EnvWorkerConfig", "HumanEvalTasks", "JsonlTasks", "LocalModel", "PoolModel",
-           "SandboxSettings", "ScoreBatching", "SyntheticTasks"]
+           "SandboxSettings", "ScoreBatching", "SyntheticTasks", "ToolLookupTasks"]
 
 EXTERNAL = "external"
 """``harness = "external"``: any command run against the endpoint actor (`harness.external`)."""
@@ -33,6 +33,13 @@ class SyntheticTasks(_Strict, tag="synthetic", tag_field="kind"):
     seed: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class ToolLookupTasks(_Strict, tag="tool_lookup", tag_field="kind"):
+    """The tool-lookup family's infinite training stream of ``seed``
+    (`fleetrl.harness.synthetic_tools`: the answer is in a sandbox file only a tool reads)."""
+
+    seed: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
 class JsonlTasks(_Strict, tag="jsonl", tag_field="kind"):
     """A task file (docs/guides/tasks.md). Invalid records are logged with file, line and
     field; valid ones run. ``repeat``: start over at the end (epochs), else stop."""
@@ -48,7 +55,7 @@ class HumanEvalTasks(_Strict, tag="humaneval", tag_field="kind"):
     repeat: bool = True
 
 
-TaskSourceConfig = SyntheticTasks | JsonlTasks | HumanEvalTasks
+TaskSourceConfig = SyntheticTasks | ToolLookupTasks | JsonlTasks | HumanEvalTasks
 
 
 # -- model --------------------------------------------------------------------------------

@@ -7,7 +7,10 @@ version (`WeightVersionAvailable` in its inbox) is ``every_versions`` past the l
 it evaluated, and, when the daemon drains, the final version. One evaluation: for each
 split, one sampled completion per task of the fixed set ``generate_tasks(n, split,
 seed=task_seed)`` (temperature / top_p / seed fixed), scored inside one leased sandbox
-(`scoring.score_in_sandbox`: model-written code never runs on the host). Each result is
+(`scoring.score_in_sandbox`: model-written code never runs on the host). With ``tasks =
+"tool_lookup"``: one multi-turn rollout per task of ``generate_tool_tasks(n, split="fresh",
+seed=task_seed)`` with the example harness's loop in process (`recipe.tool_eval`: the
+tool reads the task's files, the answer is compared with the code; no sandbox). Each result is
 one line of ``<state>/actors/<name>/eval.jsonl`` (`records.EvalRecord`). After the
 final evaluation it writes the run's report (``report_dir``).
 """
@@ -28,6 +31,7 @@ from fleetrl.actors.weights import LocalDirStore, StoreSource
 from fleetrl.daemon.actor import ActorContext
 from fleetrl.daemon.messages import WeightVersionAvailable
 from fleetrl.harness.synthetic import generate_tasks
+from fleetrl.harness.synthetic_tools import generate_tool_tasks
 from fleetrl.sandboxes import Limits, Ownership, WarmPolicy, open_sandbox_pool
 
 from .config import EvaluatorConfig
@@ -70,7 +74,11 @@ class _Evaluator:
         self.pool = pool
         self.evaluated = list(state.evaluated)
         self.sync = WeightSync(backend, AsyncStoreSource(StoreSource(LocalDirStore(cfg.weights_dir))))
-        self.tasks = {split: generate_tasks(cfg.n, split=split, seed=cfg.task_seed) for split in cfg.splits}
+        if cfg.tasks == "tool_lookup":
+            self.tasks = {"fresh": generate_tool_tasks(cfg.n, split="fresh", seed=cfg.task_seed)}
+        else:
+            self.tasks = {split: generate_tasks(cfg.n, split=split, seed=cfg.task_seed) for split in cfg.splits}
+        self.tokenizer: Any = None
         self.sampling = EvalSampling(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
                                      seed=cfg.sampling_seed, batch_size=cfg.batch_size)
         self.out = ctx.state_dir / "eval.jsonl"
@@ -104,13 +112,17 @@ class _Evaluator:
         records = []
         for split, tasks in self.tasks.items():
             t0 = time.monotonic()
-            sampled = await trio.to_thread.run_sync(sample_completions, self.backend, tasks, self.sampling)
-            t1 = time.monotonic()
-            async with self.pool.lease(limits=self.limits) as sb:
-                scores = await score_in_sandbox(sb, tasks, [text for text, _ in sampled],
-                                                parallel=self.cfg.sandbox.parallel,
-                                                timeout_s=self.cfg.sandbox.timeout_s)
-            rec = make_record(version=version, step=step, split=split, rewards=scores.rewards, time=time.time())
+            if self.cfg.tasks == "tool_lookup":
+                rewards, errors, score_s = await self._tool_rewards(tasks), 0, 0.0
+            else:
+                sampled = await trio.to_thread.run_sync(sample_completions, self.backend, tasks, self.sampling)
+                async with self.pool.lease(limits=self.limits) as sb:
+                    scores = await score_in_sandbox(sb, tasks, [text for text, _ in sampled],
+                                                    parallel=self.cfg.sandbox.parallel,
+                                                    timeout_s=self.cfg.sandbox.timeout_s)
+                rewards, errors, score_s = list(scores.rewards), scores.errors, scores.seconds
+            t1 = time.monotonic() - score_s
+            rec = make_record(version=version, step=step, split=split, rewards=rewards, time=time.time())
             records.append(rec)
             with self.out.open("ab") as fh:
                 fh.write(msgspec.json.encode(rec) + b"\n")
@@ -118,8 +130,8 @@ class _Evaluator:
             self.pass_at_1[split] = rec.pass_at_1
             self.ctx.log.info("evaluation", version=version, step=step, split=split, n=rec.n, passed=rec.passed,
                               pass_at_1=round(rec.pass_at_1, 4), ci=[round(rec.ci_low, 4), round(rec.ci_high, 4)],
-                              mean_reward=round(rec.mean_reward, 4), checker_errors=scores.errors,
-                              sample_s=round(t1 - t0, 1), score_s=round(scores.seconds, 1))
+                              mean_reward=round(rec.mean_reward, 4), checker_errors=errors,
+                              sample_s=round(t1 - t0, 1), score_s=round(score_s, 1))
             _say(self.cfg.progress, f"eval v{version} (step {step}) {split}: pass@1 {100 * rec.pass_at_1:.1f}% "
                                     f"[{100 * rec.ci_low:.1f}, {100 * rec.ci_high:.1f}] ({rec.passed}/{rec.n}), "
                                     f"mean reward {rec.mean_reward:.3f}")
@@ -127,6 +139,17 @@ class _Evaluator:
         self.version_gauge.set(version)
         self.ctx.report_version("evaluated", version)
         return records
+
+    async def _tool_rewards(self, tasks: list[Any]) -> list[float]:
+        from transformers import PreTrainedTokenizerFast
+
+        from fleetrl.actors.recipe.tool_eval import sample_tool_rollouts
+
+        if self.tokenizer is None:  # the model's own chat template, as the endpoint renders
+            self.tokenizer = await trio.to_thread.run_sync(PreTrainedTokenizerFast.from_pretrained, self.cfg.model_dir)
+        rollouts = await trio.to_thread.run_sync(
+            lambda: sample_tool_rollouts(self.backend, tasks, self.tokenizer, self.sampling))
+        return [r.reward for r in rollouts]
 
     async def report(self) -> None:
         if self.cfg.report_dir is None:

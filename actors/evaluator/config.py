@@ -30,6 +30,11 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """The model directory the trainer started from (architecture and tokenizer)."""
     weights_dir: str
     """The trainer's delta store (``<state>/actors/trainer/weights``), followed like a sampler."""
+    tasks: Literal["synthetic", "tool_lookup"] = "synthetic"
+    """The task family evaluated: the synthetic coding tasks (completions scored in a
+    sandbox), or the tool-lookup family (multi-turn rollouts with the example harness's
+    loop in process, `fleetrl.actors.recipe.tool_eval`; split ``fresh`` only, and give
+    ``max_tokens`` room for a tool call, e.g. 96)."""
     n: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 200
     """Tasks per evaluation set."""
     splits: tuple[Literal["fresh", "general"], ...] = ("fresh", "general")
@@ -62,5 +67,8 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError("EvaluatorConfig.splits must name at least one of 'fresh', 'general'")
         if len(set(self.splits)) != len(self.splits):
             raise ValueError(f"EvaluatorConfig.splits has duplicates: {list(self.splits)}")
+        if self.tasks == "tool_lookup" and self.splits != ("fresh",):
+            raise ValueError('EvaluatorConfig.splits must be ["fresh"] with tasks = "tool_lookup" (it has no '
+                             "general split)")
         if self.report_dir == "":
             raise ValueError("EvaluatorConfig.report_dir must be a path or absent")

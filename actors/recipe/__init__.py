@@ -18,6 +18,7 @@ from fleetrl.actors.recipe.evaluate import (
 )
 from fleetrl.actors.recipe.warm_model import (
     DEFAULT_RECIPE,
+    TOOL_RECIPE,
     WarmManifest,
     WarmRecipe,
     check_warm_dir,
@@ -40,6 +41,7 @@ from fleetrl.actors.recipe.warmup import (
 __all__ = [
     "DEFAULT_RECIPE",
     "EvalResult",
+    "TOOL_RECIPE",
     "EvalSampling",
     "PassRate",
     "WarmManifest",

@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 import msgspec
 import torch
@@ -45,11 +45,13 @@ import torch
 from fleetrl.actors.model import TinyLlamaSpec, build_tiny_llama, read_state_dict, save_tiny_llama
 from fleetrl.actors.recipe.warmup import WarmupConfig, run_warmup
 from fleetrl.harness.synthetic import SPLITS, generate_tasks, reference_solution
+from fleetrl.harness.synthetic_tools import TOOL_SPLITS, generate_tool_tasks, reference_messages
 
 __all__ = [
     "CACHE_FORMAT",
     "DEFAULT_RECIPE",
     "MANIFEST",
+    "TOOL_RECIPE",
     "WarmManifest",
     "WarmRecipe",
     "check_warm_dir",
@@ -76,9 +78,42 @@ class WarmRecipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Seed of the random initialisation."""
     warmup: WarmupConfig = WarmupConfig()
     """The supervised warm-up (steps, lr, batch size, task seed, ...)."""
+    tasks: Literal["synthetic", "tool_lookup"] = "synthetic"
+    """The task family whose reference solutions the warm-up trains on: the synthetic
+    coding tasks (completions), or the tool-lookup family (reference conversations
+    rendered with the chat template, loss on the assistant's tokens:
+    `tool_warmup`)."""
+    plain_steps: int = 0
+    """Tool-lookup only: the first ``plain_steps`` of ``warmup.steps`` render the
+    conversations without the tools list (no system turn: about 90 tokens instead of
+    400), the rest with it. The short context is where the tiny model learns the
+    lookups (from the request into the call, from the tool's result into the answer) in
+    a few hundred cheap steps; with the tools list from the start it stays on the prior
+    for 400 steps and more (docs/results/warmup.md)."""
+    stop_after: int | None = None
+    """Tool-lookup only: run only the first ``stop_after`` steps of the learning-rate
+    schedule of ``warmup.steps`` (None: all of them). The model reads the tool prompt
+    within a few dozen steps once it has the lookups, so this is where "weak but not
+    hopeless" is set."""
+
+    def __post_init__(self) -> None:
+        last = self.warmup.steps if self.stop_after is None else self.stop_after
+        if self.plain_steps < 0 or self.plain_steps >= last:
+            raise ValueError(f"WarmRecipe.plain_steps must be in [0, {last}) (the steps run), got {self.plain_steps}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.warmup.steps:
+            raise ValueError(f"WarmRecipe.stop_after must be in [1, warmup.steps={self.warmup.steps}], "
+                             f"got {self.stop_after}")
+        if (self.plain_steps or self.stop_after is not None) and self.tasks != "tool_lookup":
+            raise ValueError('WarmRecipe.plain_steps and stop_after are only used with tasks = "tool_lookup"')
 
 
 DEFAULT_RECIPE: Final = WarmRecipe()
+TOOL_RECIPE: Final = WarmRecipe(tasks="tool_lookup", plain_steps=500, stop_after=525,
+                                warmup=WarmupConfig(steps=700, prompt_loss_weight=0.0))
+"""The tool-lookup family's warm start (configs/agent-tools.toml): the default model
+and optimizer settings on reference conversations, loss on the assistant's tokens only;
+500 steps without the tools list (the lookups are learnt there), then 25 with it (the
+real prompt), of a 700-step schedule: weak but not hopeless (docs/results/warmup.md)."""
 
 
 class WarmManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -100,10 +135,23 @@ class WarmManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     created_at: float
 
 
-def task_family_digest() -> str:
-    """A digest of the synthetic task family as the warm-up sees it: the prompt,
-    reference completion and hidden tests of the first tasks of every split."""
+def task_family_digest(tasks: str = "synthetic") -> str:
+    """A digest of a task family as the warm-up sees it. Synthetic: the prompt,
+    reference completion and hidden tests of the first tasks of every split.
+    Tool-lookup: the first tasks of every split and their reference conversations as
+    the chat template renders them (so a change of the template invalidates the cache)."""
     h = hashlib.sha256()
+    if tasks == "tool_lookup":
+        from fleetrl.actors.model.byte_tokenizer import build_byte_tokenizer
+        from fleetrl.actors.recipe.tool_warmup import encode_tool_example
+
+        tok = build_byte_tokenizer()
+        for tool_split in TOOL_SPLITS:
+            for task in generate_tool_tasks(_PROBE_TASKS, split=tool_split, seed=0):
+                example = encode_tool_example(task, tok)
+                record = [msgspec.to_builtins(task), reference_messages(task), example.ids, example.targets]
+                h.update(json.dumps(record, sort_keys=True, default=str).encode())
+        return "sha256:" + h.hexdigest()
     for split in SPLITS:
         for task in generate_tasks(_PROBE_TASKS, split=split, seed=0):
             record = [task.id, task.prompt, reference_solution(task), sorted(task.metadata.items()),
@@ -114,8 +162,11 @@ def task_family_digest() -> str:
 
 def recipe_key(recipe: WarmRecipe, *, task_family: str | None = None) -> str:
     """The cache key of a recipe (24 hex digits): recipe, task family, cache format."""
-    family = task_family if task_family is not None else task_family_digest()
-    payload = msgspec.json.encode({"format": CACHE_FORMAT, "recipe": recipe, "task_family": family})
+    family = task_family if task_family is not None else task_family_digest(recipe.tasks)
+    fields = msgspec.to_builtins(recipe)
+    if recipe.tasks == "synthetic":  # keys of recipes made before these fields existed stay valid
+        del fields["tasks"], fields["plain_steps"], fields["stop_after"]
+    payload = msgspec.json.encode({"format": CACHE_FORMAT, "recipe": fields, "task_family": family})
     return hashlib.sha256(payload).hexdigest()[:24]
 
 
@@ -211,13 +262,19 @@ def _build(final: Path, key: str, family: str, recipe: WarmRecipe, log: Callable
     work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=parent))
     try:
         model = build_tiny_llama(recipe.model, seed=recipe.init_seed)
-        steps = recipe.warmup.steps
+        steps = recipe.warmup.steps if recipe.stop_after is None else recipe.stop_after
 
         def progress(step: int, loss: float) -> None:
             if step == 0 or (step + 1) % 25 == 0 or step + 1 == steps:
                 log(f"warm-up step {step + 1}/{steps}: completion loss {loss:.3f}")
 
-        result = run_warmup(model, recipe.warmup, on_step=progress)
+        batches = None
+        if recipe.tasks == "tool_lookup":
+            from fleetrl.actors.model.byte_tokenizer import build_byte_tokenizer
+            from fleetrl.actors.recipe.tool_warmup import tool_training_batches
+
+            batches = tool_training_batches(recipe.warmup, build_byte_tokenizer(), plain_steps=recipe.plain_steps)
+        result = run_warmup(model, recipe.warmup, on_step=progress, batches=batches, stop_after=recipe.stop_after)
         staging = save_tiny_llama(model, work / "model")
         files = {
             file.name: _file_digest(file) for file in sorted(staging.iterdir()) if file.is_file()
@@ -271,7 +328,7 @@ def ensure_warm_model(
     say = log if log is not None else (lambda _line: None)
     root = Path(cache_dir).absolute()
     root.mkdir(parents=True, exist_ok=True)
-    family = task_family_digest()
+    family = task_family_digest(recipe.tasks)
     key = recipe_key(recipe, task_family=family)
     final = root / f"warm-{key}"
     with _locked(root / f".warm-{key}.lock"):
@@ -309,6 +366,18 @@ def _measure(model_dir: Path, label: str, n: int, task_seed: int, sample_seed: i
             "sample_s": result.sample_seconds, "score_s": result.score_seconds,
         }
     return out
+
+
+def _measure_tools(model_dir: Path, label: str, n: int, task_seed: int, sample_seed: int) -> dict[str, object]:
+    from fleetrl.actors.recipe.tool_eval import TOOL_SAMPLING, evaluate_tool_pass_at_1
+
+    result = evaluate_tool_pass_at_1(model_dir, n=n, task_seed=task_seed,
+                                     sampling=msgspec.structs.replace(TOOL_SAMPLING, seed=sample_seed))
+    rate = result.pass_at_1
+    print(f"{label:>12}    fresh: pass@1 {rate}  answered {100 * result.stopped:.0f}%  "
+          f"({result.sample_seconds:.1f} s sampling)", file=sys.stderr)
+    return {"fresh": {"pass_at_1": rate.rate, "ci95": [rate.low, rate.high], "successes": rate.successes, "n": rate.n,
+                      "answered": result.stopped, "sample_s": result.sample_seconds}}
 
 
 def _sampling_speed(model_dir: Path, batch: int, rounds: int, sample_seed: int) -> dict[str, float]:
@@ -351,10 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the random-init evaluation")
     parser.add_argument("--speed-batch", type=int, default=32, metavar="B",
                         help="measure sampling speed on batches of B prompts (0: skip)")
+    parser.add_argument("--recipe", choices=("default", "tool_lookup"), default="default",
+                        help="DEFAULT_RECIPE (synthetic coding) or TOOL_RECIPE (tool lookup: fresh split only)")
     args = parser.parse_args(argv)
     if args.eval < 0:
         parser.error("--eval must be >= 0")
-    recipe = DEFAULT_RECIPE
+    recipe = TOOL_RECIPE if args.recipe == "tool_lookup" else DEFAULT_RECIPE
+    measure = _measure_tools if recipe.tasks == "tool_lookup" else _measure
     if args.threads is not None:
         if args.threads < 1:
             parser.error("--threads must be >= 1")
@@ -371,11 +443,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_baseline:
             with tempfile.TemporaryDirectory(prefix="fleetrl-init-") as tmp:
                 init_dir = save_tiny_llama(build_tiny_llama(recipe.model, seed=recipe.init_seed), Path(tmp) / "init")
-                report["random_init"] = _measure(init_dir, "random init", args.eval, args.eval_seed, args.sample_seed)
+                report["random_init"] = measure(init_dir, "random init", args.eval, args.eval_seed, args.sample_seed)
         t0 = time.perf_counter()
-        report["warm"] = _measure(path, "warm", args.eval, args.eval_seed, args.sample_seed)
+        report["warm"] = measure(path, "warm", args.eval, args.eval_seed, args.sample_seed)
         report["warm_eval_s"] = time.perf_counter() - t0
-    if args.speed_batch > 0:
+    if args.speed_batch > 0 and recipe.tasks == "synthetic":
         report["sampling_speed"] = _sampling_speed(path, args.speed_batch, 3, args.sample_seed)
     print(json.dumps(report, sort_keys=True))
     return 0

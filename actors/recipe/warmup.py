@@ -247,8 +247,14 @@ def run_warmup(
     *,
     tokenizer: PreTrainedTokenizerFast | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    batches: Iterator[Batch] | None = None,
+    stop_after: int | None = None,
 ) -> WarmupResult:
     """Train `model` (a causal LM taking input_ids/attention_mask) in place.
+
+    `batches`: the training data (default: `training_batches` of the synthetic coding
+    family; the tool-lookup family's are `tool_warmup.tool_training_batches`).
+    `stop_after`: run only the first steps of the schedule (None: all `config.steps`).
 
     `on_step(step, loss)` is called after every step with the completion loss
     (progress reporting). The model
@@ -263,13 +269,14 @@ def run_warmup(
         lr=config.lr,
         betas=config.betas,
     )
-    batches = training_batches(config, tok)
+    if batches is None:
+        batches = training_batches(config, tok)
     losses: list[float] = []
     prompt_losses: list[float] = []
     started = time.perf_counter()
     model.train()
     try:
-        for step in range(config.steps):
+        for step in range(config.steps if stop_after is None else min(stop_after, config.steps)):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, config)
             batch = next(batches)
@@ -292,5 +299,5 @@ def run_warmup(
         losses=tuple(losses),
         prompt_losses=tuple(prompt_losses),
         seconds=time.perf_counter() - started,
-        examples=config.steps * config.batch_size,
+        examples=len(losses) * config.batch_size,
     )

@@ -120,6 +120,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Compute each distinct prompt of a batch once per step and attend every row that
     starts with it to its KV cache (exact to float rounding, ~2x faster for GRPO groups);
     False: forward every full row (the reference path)."""
+    record_batches: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    """Write the trained batch of each of the first N steps to ``batches/step-<k>.json``
+    in the trainer's state dir (each row's prompt ids, the tokens in the loss and their
+    versions; `core.batch_record`): what exactly was trained, for tests and debugging."""
 
     def __post_init__(self) -> None:
         o = "TrainerConfig"

@@ -22,12 +22,12 @@ from fleetrl.daemon.checkpoint import CheckpointStore
 from fleetrl.daemon.messages import RolloutGroup
 
 from . import checkpoint as ck
-from .batch import build_batch
+from .batch import Batch, build_batch
 from .config import TrainerConfig
 from .schedule import lr_at
 from .step import StepMetrics, build_optimizer, master_bf16, train_step
 
-__all__ = ["Trainer", "batch_cost_usd"]
+__all__ = ["Trainer", "batch_cost_usd", "batch_record"]
 
 LOCAL_CKPT_KEY = "trainer"
 
@@ -36,6 +36,20 @@ def batch_cost_usd(groups: Sequence[RolloutGroup]) -> float:
     """Dollars the samplers spent on ``groups``: the sum of every segment's ``cost_usd``
     (each model call's share of its sampler's measured busy time x price)."""
     return float(sum(seg.cost_usd for g in groups for t in g.trajectories for seg in t.segments))
+
+
+def batch_record(batch: Batch, step: int) -> dict[str, Any]:
+    """A trained batch as JSON-able rows: each row's prompt ids (its context, never in
+    the loss), the tokens in the loss (``loss_mask`` true) with their sampling versions,
+    and its advantage."""
+    rows = []
+    for b in range(batch.tokens.shape[0]):
+        prompt = batch.prompt_ids[batch.prefix_index[b]][: batch.prompt_lengths[batch.prefix_index[b]]]
+        mask = batch.loss_mask[b]
+        rows.append({"prompt_ids": prompt.tolist(), "loss_tokens": batch.tokens[b][mask].tolist(),
+                     "versions": batch.versions[b][mask].tolist(), "advantage": float(batch.advantages[b]),
+                     "trajectory": int(batch.row_trajectory[b])})
+    return {"step": step, "rows": rows, "rewards": batch.rewards.tolist()}
 
 
 class Trainer:
@@ -176,6 +190,10 @@ class Trainer:
                                         publish_s=vm.publish_s)
         with self.metrics_path.open("ab") as fh:
             fh.write(msgspec.json.encode(m) + b"\n")
+        if not m.skipped and self.step <= self.cfg.record_batches:
+            out = self.state_dir / "batches" / f"step-{self.step}.json"
+            out.parent.mkdir(exist_ok=True)
+            out.write_bytes(msgspec.json.encode(batch_record(batch, self.step)))
         if not m.skipped and self.step % self.cfg.checkpoint_every == 0:
             self.write_checkpoint()
         return m

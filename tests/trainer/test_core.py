@@ -54,3 +54,24 @@ def test_bad_device_is_named(model_dir, tmp_path):
         Trainer(TrainerConfig(model_dir=model_dir, device="cuda"), tmp_path, "r")
     with pytest.raises(ValueError, match="TrainerConfig.device 'warp-drive' is not a torch device"):
         Trainer(TrainerConfig(model_dir=model_dir, device="warp-drive"), tmp_path, "r")
+
+
+def test_record_batches_writes_what_the_first_steps_trained(model_dir, groups, tmp_path):
+    import json
+
+    cfg = TrainerConfig(model_dir=model_dir, groups_per_step=1, lr=1e-2, checkpoint_every=100, record_batches=1)
+    t = Trainer(cfg, tmp_path, "run-1")
+    t.start(None)
+    prompt = [BOS_ID, *b"hi"]
+    first = groups.sampled(model_dir, "a", prompt, [1.0, 0.0], seed=3)
+    for group in (first, groups.sampled(model_dir, "b", prompt, [1.0, 0.0], seed=4)):
+        t.buffer.offer(group, t.version)
+        t.take_and_train()
+    assert sorted(p.name for p in (tmp_path / "batches").iterdir()) == ["step-1.json"]  # the first step only
+    record = json.loads((tmp_path / "batches" / "step-1.json").read_text())
+    assert record["step"] == 1 and record["rewards"] == [1.0, 0.0]
+    for row, traj in zip(record["rows"], first.trajectories, strict=True):
+        (seg,) = traj.segments
+        assert row["prompt_ids"] == prompt  # the context: never in the loss
+        assert row["loss_tokens"] == seg.token_ids.to_numpy().tolist()  # exactly the generated tokens
+        assert row["versions"] == [0] * len(row["loss_tokens"])

@@ -1,0 +1,119 @@
+"""Training through an unchanged external harness, end to end: a shortened
+configs/agent-tools.toml run, as a real `fleetrl serve` subprocess (issue 18, first
+acceptance point).
+
+The environment worker runs examples/harnesses/tool_agent.py (the official `openai`
+client with `tools`) per attempt against the daemon's endpoint; every call goes through
+the sampler pool; the groups go to the trainer. Checked:
+
+* the run ends by itself at its step budget (exit 0), writes the report and leaves no
+  sandbox behind;
+* every step trains groups of the program's attempts, multi-turn: trained rows whose
+  prompt holds the ``read_file`` call and its ``<|tool|>`` result;
+* tool output tokens are outside the loss mask, on trained batches
+  (``record_batches``): each row's loss tokens are what the model generated after the
+  generation prompt, never a tool turn;
+* each call's tokens carry the weight version that sampled them, within the staleness
+  bound;
+* sampled pass@1 on 200 fresh tool tasks (the evaluator: the same tasks and seeds at
+  the start and the end) rises, by a paired one-sided test at the 5% level.
+
+Everything is the shipped config except paths, the step budget, the evaluator's
+schedule and the recorded batches; the tool warm model comes from the cache shared
+between sessions (tests/e2e/conftest.py; built once, minutes of CPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import read_jsonl
+
+from fleetrl.actors.model.byte_tokenizer import build_byte_tokenizer
+
+from .conftest import containers_of
+from .test_tiny_learns import Z_95_ONE_SIDED, paired_z
+from .tiny_config import REPO, derive
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+CONFIG = REPO / "configs" / "agent-tools.toml"
+AGENT = REPO / "examples" / "harnesses" / "tool_agent.py"
+STEPS = 40
+RECORDED = 3
+MAX_STALENESS = 2
+
+
+def _config(state: Path, cache: Path) -> str:
+    text = CONFIG.read_text().replace('".fleetrl-agent-tools', f'"{state}')
+    argv = json.dumps([sys.executable, str(AGENT)])
+    return derive(state, {
+        "logging": {"console": '"none"'},
+        "actors.warm_start.config": {"cache_dir": f'"{cache}"'},
+        # the time budget stays as a safety: a policy that collapses (every group zero-variance)
+        # takes no more steps, and the run must still end by itself
+        "actors.trainer.config": {"max_steps": str(STEPS), "time_budget_s": "1800.0", "progress": "false",
+                                  "record_batches": str(RECORDED)},
+        "actors.env.config": {"harness_config": f'{{ argv = {argv}, timeout_s = 60 }}'},
+        "actors.evaluator.config": {"progress": "false"},
+    }, text=text)
+
+
+def test_shipped_config_recipe_is_the_tool_recipe():
+    import tomllib
+
+    import msgspec
+
+    from fleetrl.actors.recipe import TOOL_RECIPE
+    from fleetrl.actors.warm_start import WarmStartConfig
+
+    cfg = tomllib.loads(CONFIG.read_text())["actors"]["warm_start"]["config"]
+    assert msgspec.convert(cfg, WarmStartConfig).recipe == TOOL_RECIPE
+
+
+def test_agent_tools_run_learns_through_the_external_harness(tmp_path, warm_cache, fleetrl_bin, daemons):
+    state = tmp_path / "state"
+    cfg = tmp_path / "agent-tools-test.toml"
+    cfg.write_text(_config(state, warm_cache))
+    t0 = time.monotonic()
+    d = daemons([fleetrl_bin, "serve", "--config", str(cfg), "--state-dir", str(state)], tmp_path, "run")
+    code = d.wait_exit(timeout=3600)
+    wall = time.monotonic() - t0
+    assert code == 0, d.err_path.read_text(errors="replace")[-3000:]
+    assert (state / "report" / "index.html").exists()
+    assert containers_of(state) == []
+
+    steps = [x for x in read_jsonl(state / "actors" / "trainer" / "metrics.jsonl") if not x["skipped"]]
+    assert steps[-1]["step"] == STEPS
+    for s in steps:  # every step: the program's groups, G attempts each, tokens within the bound
+        assert s["groups"] == 4 and s["trajectories"] == 16 and s["tokens"] > 0, s
+        assert max(int(k) for k in s["staleness_hist"]) <= MAX_STALENESS, s
+
+    tok = build_byte_tokenizer()
+    multi_turn = 0
+    for k in range(1, RECORDED + 1):
+        batch = json.loads((state / "actors" / "trainer" / "batches" / f"step-{k}.json").read_text())
+        version = next(s["version"] for s in steps if s["step"] == k)
+        for row in batch["rows"]:
+            prompt = tok.decode(row["prompt_ids"], skip_special_tokens=False)
+            trained = tok.decode(row["loss_tokens"], skip_special_tokens=False)
+            # the loss starts right after the generation prompt: the model's own answer only
+            assert prompt.endswith("<|assistant|>\n"), prompt[-200:]
+            assert "<|tool|>" not in trained and "<|user|>" not in trained, trained
+            if "<|tool|>\n" in prompt:  # a call after a tool result: the call and result are context only
+                multi_turn += 1
+                assert prompt.index("<tool_call>") < prompt.rindex("<|tool|>\n"), prompt[-300:]
+            # every generated token carries the version that sampled it (within the bound)
+            assert row["versions"] and all(version - 1 - MAX_STALENESS <= v <= version - 1 for v in row["versions"])
+    assert multi_turn > 0  # the program's tool loop was trained on: calls after a tool result
+
+    evals = read_jsonl(state / "actors" / "evaluator" / "eval.jsonl")
+    start, end = evals[0], evals[-1]
+    assert start["version"] == 0 and end["version"] == steps[-1]["version"] and start["n"] == end["n"] == 200
+    z = paired_z(start["rewards"], end["rewards"])
+    print(f"agent-tools run: {STEPS} steps in {wall:.0f} s; fresh pass@1 {start['pass_at_1']:.3f} -> "
+          f"{end['pass_at_1']:.3f} (paired z = {z:.2f})", file=sys.stderr)
+    assert z > Z_95_ONE_SIDED, (start["pass_at_1"], end["pass_at_1"], z)
