@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
 from typing import Any, Protocol, runtime_checkable
 
 from fleetrl.daemon.messages import Generation, SamplingParams, TokenChunk
+from fleetrl.daemon.streams import stream_or_once
 
 from .chat import ChatMessage, ChatTokenizer, template_messages
 from .errors import ModelUnavailable
@@ -78,18 +78,12 @@ class StreamingModelClient(ModelClient, Protocol):
         ...
 
 
-async def stream_generation(model: ModelClient, prompt_ids: Sequence[int], params: SamplingParams
-                            ) -> AsyncIterator[TokenChunk | Generation]:
+def stream_generation(model: ModelClient, prompt_ids: Sequence[int], params: SamplingParams
+                      ) -> AsyncIterator[TokenChunk | Generation]:
     """``model.stream(prompt_ids, params)`` when the client streams, else the one
     `Generation` of ``model.generate`` (no chunks): `StreamingModelClient.stream` for
     any client. Use it inside ``contextlib.aclosing``."""
-    stream = getattr(model, "stream", None)
-    if stream is None:
-        yield await model.generate(prompt_ids, params)
-        return
-    async with aclosing(stream(prompt_ids, params)) as items:
-        async for item in items:
-            yield item
+    return stream_or_once(getattr(model, "stream", None), model.generate, prompt_ids, params)
 
 
 # A client may also offer ``for_attempt(attempt_id) -> ModelClient``: a view whose

@@ -43,9 +43,10 @@ event before ``[DONE]`` (the status line is already sent). A client that disconn
 gives its generations up; nothing of that request is recorded. The request's slots
 (`openai_limits`) are held until its stream ends.
 
-This module holds the routes (I/O); the rest is pure and lives beside it: the
-attempts in `attempts`, request checking in `openai_request`, response bodies and
-events in `openai_response`, the flood limits in `openai_limits`, `ApiError` in `errors`.
+This module holds the routes (I/O); the rest lives beside it: the attempts in
+`attempts`, request checking in `openai_request`, response bodies and events in
+`openai_response`, the event-stream response in `event_stream`, the flood limits in
+`openai_limits`, `ApiError` in `errors`.
 """
 
 from __future__ import annotations
@@ -62,32 +63,28 @@ import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from fleetrl.daemon.messages import Generation, SamplingParams, TokenChunk
 
 from .attempts import ATTEMPT_HEADER, AttemptRegistry, resolve_attempt
 from .recording import AttemptRecorder, CallRecord
 from .errors import ApiError, ModelUnavailable
+from .event_stream import Emit, EventStream
 from .model import ModelClient, stream_generation
 from .openai_limits import CallLimits
-from .openai_request import EndpointConfig, chat_request, completion_request, parse_body, sampling_params
+from .openai_request import Common, EndpointConfig, chat_request, completion_request, parse_body, sampling_params
 from .openai_response import (
     CALL_HEADER,
+    DONE,
     IGNORED_HEADER,
     Reply,
-    DONE,
-    chat_body,
-    chat_content_chunk,
-    chat_final_chunks,
+    ResponseShape,
     chat_logprobs,
-    chat_role_chunk,
-    completion_body,
-    completion_chunk,
+    chat_shape,
     completion_logprobs,
-    finish_reason,
+    completion_shape,
     response_headers,
     sse,
     usage_chunk,
@@ -154,50 +151,6 @@ def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body, status_code=err.status, headers=headers)
 
 
-Emit = Callable[[bytes], Awaitable[None]]
-
-
-class _EventStream(StreamingResponse):
-    """A server-sent event stream written by ``produce(emit)`` while it runs, in this
-    request's task (no generator suspended across a nursery): a client disconnect
-    cancels ``produce``; ``slots`` (the request's limits) close when the stream ends."""
-
-    def __init__(self, produce: Callable[[Emit], Awaitable[None]], headers: dict[str, str], slots: ExitStack) -> None:
-        super().__init__((), media_type="text/event-stream", headers=headers)
-        self.produce = produce
-        self.slots = slots
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with self.slots, trio.CancelScope() as stream_scope:
-            lock = trio.Lock()
-            gone = False
-
-            async def emit(data: bytes) -> None:
-                nonlocal gone
-                async with lock:  # choices stream concurrently; one body message at a time
-                    try:
-                        await send({"type": "http.response.body", "body": data, "more_body": True})
-                    except OSError:  # the client left
-                        gone = True
-                        stream_scope.cancel()
-                        await trio.lowlevel.checkpoint()
-
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async with trio.open_nursery() as nursery:
-                async def disconnect() -> None:
-                    nonlocal gone
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    gone = True
-                    stream_scope.cancel()
-
-                nursery.start_soon(disconnect)
-                await self.produce(emit)
-                nursery.cancel_scope.cancel()
-            if not gone:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
 def create_app(
     model: ModelClient,
     registry: AttemptRegistry,
@@ -228,11 +181,13 @@ def create_app(
             chunks.append(chunk)
         return parse_body(b"".join(chunks), request.headers.get("content-type", "(none)"))
 
-    async def generate(key: str, attempt_id: str, prompt_ids: list[int], params: SamplingParams,
-                       n: int) -> list[Generation]:
+    async def generate(key: str, attempt_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
+                       on_text: Callable[[int, list[int]], Awaitable[None]] | None = None) -> list[Generation]:
         """``n`` generations of ``prompt_ids``, run concurrently; each holds a waiting
         slot, all taken before any starts (so a busy endpoint refuses the request
-        whole). One failing fails the request (503) and cancels the others."""
+        whole). With ``on_text`` each choice streams: ``on_text(i, ids so far)`` after
+        every piece the sampler sends. One failing fails the request (503) and cancels
+        the others."""
         # a client that tags requests by attempt (the sampler pool's: its logs, prompt
         # affinity and pacing go by attempt) answers through its view of this attempt
         client = model.for_attempt(attempt_id) if hasattr(model, "for_attempt") else model
@@ -241,15 +196,26 @@ def create_app(
 
         async def one(i: int, p: SamplingParams, cancel: trio.CancelScope | None) -> None:
             try:
-                gens[i] = await client.generate(prompt_ids, p)
+                if on_text is None:
+                    gens[i] = await client.generate(prompt_ids, p)
+                    return
+                ids: list[int] = []
+                async with aclosing(stream_generation(client, prompt_ids, p)) as items:
+                    async for item in items:
+                        if isinstance(item, TokenChunk):
+                            ids.extend(item.token_ids)
+                            await on_text(i, ids)
+                        else:
+                            gens[i] = item
             except ModelUnavailable as err:
                 failures.append(err)
                 if cancel is not None:
                     cancel.cancel()
 
         with ExitStack() as slots:
-            for _ in range(n):
-                slots.enter_context(limits.model_slot())
+            if on_text is None:  # a stream's slots are taken before it begins (`respond`)
+                for _ in range(n):
+                    slots.enter_context(limits.model_slot())
             choice_params = _choice_params(params, n)
             if n == 1:
                 await one(0, choice_params[0], None)
@@ -257,13 +223,12 @@ def create_app(
                 async with trio.open_nursery() as nursery:
                     for i, p in enumerate(choice_params):
                         nursery.start_soon(one, i, p, nursery.cancel_scope)
-        if failures:
-            raise ApiError(503, f"the model could not answer: {failures[0]}", type="server_error",
-                           code="model_unavailable")
+        if failures or any(g is None for g in gens):
+            raise ApiError(503, f"the model could not answer: {failures[0] if failures else 'no generation'}",
+                           type="server_error", code="model_unavailable")
         if registry.recorder(key) is None:
             raise ApiError(401, "the attempt was closed while this call ran; the call was not recorded",
                            type="authentication_error", code="attempt_closed")
-        assert all(g is not None for g in gens)
         return gens  # type: ignore[return-value]
 
     def log_ignored(recorder: AttemptRecorder, recs: Sequence[CallRecord], ignored: Sequence[str]) -> None:
@@ -274,49 +239,41 @@ def create_app(
     def reply(prefix: str) -> Reply:
         return Reply(id=f"{prefix}-{secrets.token_hex(12)}", created=int(clock()), model=config.model_name)
 
-    async def streamed_choices(emit: Emit, key: str, attempt_id: str, prompt_ids: list[int],
-                               params: SamplingParams, n: int, streamers: list[TextStreamer],
-                               piece: Callable[[int, str], dict[str, Any]]) -> list[Generation]:
-        """``n`` generations of ``prompt_ids`` streamed concurrently: each choice's safe
-        text goes out as ``piece(i, text)`` chunks while it is generated (module
-        docstring). One failing cancels the others: an `ApiError` 503."""
-        client = model.for_attempt(attempt_id) if hasattr(model, "for_attempt") else model
-        gens: list[Generation | None] = [None] * n
-        failures: list[ModelUnavailable] = []
+    Record = Callable[[Sequence[Generation]], tuple[list[CallRecord], list[Any]]]
 
-        async def one(i: int, p: SamplingParams, cancel: trio.CancelScope) -> None:
-            ids: list[int] = []
-            try:
-                async with aclosing(stream_generation(client, prompt_ids, p)) as items:
-                    async for item in items:
-                        if isinstance(item, TokenChunk):
-                            ids.extend(item.token_ids)
-                            text = streamers[i].push(ids)
-                            if text:
-                                await emit(sse(piece(i, text)))
-                        else:
-                            gens[i] = item
-            except ModelUnavailable as err:
-                failures.append(err)
-                cancel.cancel()
-
-        async with trio.open_nursery() as nursery:
-            for i, p in enumerate(_choice_params(params, n)):
-                nursery.start_soon(one, i, p, nursery.cancel_scope)
-        if failures or any(g is None for g in gens):
-            raise ApiError(503, f"the model could not answer: {failures[0] if failures else 'no generation'}",
-                           type="server_error", code="model_unavailable")
-        if registry.recorder(key) is None:
-            raise ApiError(401, "the attempt was closed while this call ran; the call was not recorded",
-                           type="authentication_error", code="attempt_closed")
-        return gens  # type: ignore[return-value]
-
-    def event_stream(slots: ExitStack, n: int, produce: Callable[[Emit], Awaitable[None]]) -> _EventStream:
-        """The streamed response of a request whose slots are ``slots`` (taken over: held
-        until the stream ends): its ``n`` model slots are taken now (429 before the stream
-        begins), then ``produce`` writes the events; a failure is an error event."""
-        for _ in range(n):
+    async def respond(slots: ExitStack, key: str, recorder: AttemptRecorder, prompt_ids: list[int],
+                      params: SamplingParams, c: Common, record: Record, shape: ResponseShape,
+                      streamers: Callable[[], TextStreamer]) -> Response:
+        """The answer to a request of either route: one JSON body, or (``stream``) its
+        event stream: the opening chunks, each choice's safe text as it is generated,
+        then once the calls are recorded the rest of the text and the final chunks, the
+        usage when asked, ``[DONE]``. The stream's ``n`` model slots are taken now (429
+        before it begins) and ``slots`` are held until it ends; a failure once it has
+        begun is an error event."""
+        if not c.stream:
+            recs, logprobs = record(await generate(key, recorder.attempt_id, prompt_ids, params, c.n))
+            return JSONResponse(shape.body(recs, logprobs), headers=response_headers(recs))
+        for _ in range(c.n):
             slots.enter_context(limits.model_slot())
+        texts = [streamers() for _ in range(c.n)]
+
+        async def produce(emit: Emit) -> None:
+            async def on_text(i: int, ids: list[int]) -> None:
+                if text := texts[i].push(ids):
+                    await emit(sse(shape.content(i, text)))
+
+            for i in range(c.n):
+                for chunk in shape.opening(i):
+                    await emit(sse(chunk))
+            recs, logprobs = record(await generate(key, recorder.attempt_id, prompt_ids, params, c.n, on_text))
+            for i, (rec, lp) in enumerate(zip(recs, logprobs)):
+                if rest := texts[i].rest(rec.text):
+                    await emit(sse(shape.content(i, rest)))
+                for chunk in shape.final(i, rec, lp):
+                    await emit(sse(chunk))
+            if c.include_usage:
+                await emit(sse(usage_chunk(shape.reply, shape.chunk_object, recs)))
+            await emit(DONE)
 
         async def guarded(emit: Emit) -> None:
             try:
@@ -326,91 +283,46 @@ def create_app(
                 await emit(sse(err.body))
                 await emit(DONE)
 
-        return _EventStream(guarded, {}, slots.pop_all())
+        return EventStream(guarded, {}, slots.pop_all())
 
     async def chat_completions(request: Request) -> Response:
         key, recorder = resolve_attempt(registry, request.headers)
         with ExitStack() as slots:
             slots.enter_context(limits.attempt_slot(key))
-            return await chat_call(request, key, recorder, slots)
+            req = chat_request(await read_json(request), config)
+            c = req.common
+            plan = recorder.plan_chat(req.messages, req.tools)
+            params = sampling_params(c, req.max_tokens, len(plan.ids), config, tok.eos_id, "messages")
 
-    async def chat_call(request: Request, key: str, recorder: AttemptRecorder, slots: ExitStack) -> Response:
-        req = chat_request(await read_json(request), config)
-        c = req.common
-        plan = recorder.plan_chat(req.messages, req.tools)
-        params = sampling_params(c, req.max_tokens, len(plan.ids), config, tok.eos_id, "messages")
-        r = reply("chatcmpl")
+            def record(gens: Sequence[Generation]) -> tuple[list[CallRecord], list[Any]]:
+                recs = [recorder.record_chat(req.messages, plan, gen, stops=c.stops, ignored_params=req.ignored,
+                                             tools=req.tools, parse_tool_calls=req.parse_tool_calls) for gen in gens]
+                if req.parse_tool_calls:
+                    for rec in recs:
+                        tool_counts.count(rec)
+                log_ignored(recorder, recs, req.ignored)
+                return recs, [chat_logprobs(tok, rec, req.top_logprobs) if req.logprobs else None for rec in recs]
 
-        def record(gens: Sequence[Generation]) -> tuple[list[CallRecord], list[Any]]:
-            recs = [recorder.record_chat(req.messages, plan, gen, stops=c.stops, ignored_params=req.ignored,
-                                         tools=req.tools, parse_tool_calls=req.parse_tool_calls) for gen in gens]
-            if req.parse_tool_calls:
-                for rec in recs:
-                    tool_counts.count(rec)
-            log_ignored(recorder, recs, req.ignored)
-            return recs, [chat_logprobs(tok, rec, req.top_logprobs) if req.logprobs else None for rec in recs]
-
-        if not c.stream:
-            recs, logprobs = record(await generate(key, recorder.attempt_id, plan.ids, params, c.n))
-            return JSONResponse(chat_body(r, recs, logprobs), headers=response_headers(recs))
-
-        streamers = [TextStreamer(tok, stops=c.stops, tool_calls=req.parse_tool_calls) for _ in range(c.n)]
-
-        async def produce(emit: Emit) -> None:
-            for i in range(c.n):
-                await emit(sse(chat_role_chunk(r, i)))
-            gens = await streamed_choices(emit, key, recorder.attempt_id, plan.ids, params, c.n, streamers,
-                                          lambda i, text: chat_content_chunk(r, i, text))
-            recs, logprobs = record(gens)
-            for i, (rec, lp) in enumerate(zip(recs, logprobs)):
-                if rest := streamers[i].rest(rec.text):
-                    await emit(sse(chat_content_chunk(r, i, rest)))
-                for chunk in chat_final_chunks(r, i, rec, lp):
-                    await emit(sse(chunk))
-            if c.include_usage:
-                await emit(sse(usage_chunk(r, "chat.completion.chunk", recs)))
-            await emit(DONE)
-
-        return event_stream(slots, c.n, produce)
+            return await respond(slots, key, recorder, plan.ids, params, c, record, chat_shape(reply("chatcmpl")),
+                                 lambda: TextStreamer(tok, stops=c.stops, tool_calls=req.parse_tool_calls))
 
     async def completions(request: Request) -> Response:
         key, recorder = resolve_attempt(registry, request.headers)
         with ExitStack() as slots:
             slots.enter_context(limits.attempt_slot(key))
-            return await completion_call(request, key, recorder, slots)
+            req = completion_request(await read_json(request), config, tok)
+            c = req.common
+            params = sampling_params(c, req.max_tokens, len(req.prompt_ids), config, tok.eos_id, "prompt")
 
-    async def completion_call(request: Request, key: str, recorder: AttemptRecorder, slots: ExitStack) -> Response:
-        req = completion_request(await read_json(request), config, tok)
-        c = req.common
-        params = sampling_params(c, req.max_tokens, len(req.prompt_ids), config, tok.eos_id, "prompt")
-        r = reply("cmpl")
+            def record(gens: Sequence[Generation]) -> tuple[list[CallRecord], list[Any]]:
+                recs = [recorder.record_completion(req.prompt_ids, gen, stops=c.stops, ignored_params=c.ignored)
+                        for gen in gens]
+                log_ignored(recorder, recs, c.ignored)
+                return recs, [completion_logprobs(tok, rec, req.logprobs) if req.logprobs is not None else None
+                              for rec in recs]
 
-        def record(gens: Sequence[Generation]) -> tuple[list[CallRecord], list[Any]]:
-            recs = [recorder.record_completion(req.prompt_ids, gen, stops=c.stops, ignored_params=c.ignored)
-                    for gen in gens]
-            log_ignored(recorder, recs, c.ignored)
-            return recs, [completion_logprobs(tok, rec, req.logprobs) if req.logprobs is not None else None
-                          for rec in recs]
-
-        if not c.stream:
-            recs, logprobs = record(await generate(key, recorder.attempt_id, req.prompt_ids, params, c.n))
-            return JSONResponse(completion_body(r, recs, logprobs), headers=response_headers(recs))
-
-        streamers = [TextStreamer(tok, stops=c.stops) for _ in range(c.n)]
-
-        async def produce(emit: Emit) -> None:
-            gens = await streamed_choices(emit, key, recorder.attempt_id, req.prompt_ids, params, c.n, streamers,
-                                          lambda i, text: completion_chunk(r, i, text))
-            recs, logprobs = record(gens)
-            for i, (rec, lp) in enumerate(zip(recs, logprobs)):
-                if rest := streamers[i].rest(rec.text):
-                    await emit(sse(completion_chunk(r, i, rest)))
-                await emit(sse(completion_chunk(r, i, "", finish_reason(rec), lp)))
-            if c.include_usage:
-                await emit(sse(usage_chunk(r, "text_completion", recs)))
-            await emit(DONE)
-
-        return event_stream(slots, c.n, produce)
+            return await respond(slots, key, recorder, req.prompt_ids, params, c, record,
+                                 completion_shape(reply("cmpl")), lambda: TextStreamer(tok, stops=c.stops))
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [

@@ -23,8 +23,11 @@ import msgspec
 
 from fleetrl.daemon.messages import SamplingParams
 
-from .chat import ChatMessage, ChatTokenizer, ToolCall
+from .chat import ChatMessage, ChatTokenizer
 from .errors import ApiError
+from .openai_fields import bad_param as _bad
+from .openai_fields import type_name as _type_name
+from .openai_messages import chat_messages, request_tool_choice, request_tools
 
 __all__ = [
     "ChatRequest",
@@ -75,21 +78,12 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 
-def _bad(param: str, message: str, code: str | None = "invalid_value") -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param, code=code)
-
-
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_num(v: object) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
-def _type_name(v: object) -> str:
-    return {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
-            list: "array", dict: "object"}.get(type(v), type(v).__name__)
 
 
 def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
@@ -144,10 +138,6 @@ _SAMPLING = {"model", "temperature", "top_p", "top_k", "max_tokens", "stop", "se
 _CHAT_KNOWN = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                             "parallel_tool_calls"}
 _COMPLETION_KNOWN = _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-_MESSAGE_KNOWN = {"role", "content", "name", "tool_calls", "tool_call_id"}
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
 class Common(msgspec.Struct, frozen=True, kw_only=True):
     """The checked parameters both kinds of request share. ``n``: how many choices
     (generations of the same prompt). ``ignored``: the request's parameters that are
@@ -189,168 +179,6 @@ def _common(body: dict, known: set[str], config: EndpointConfig) -> Common:
     return Common(n=n, temperature=1.0 if temperature is None else temperature,
                    top_p=1.0 if top_p is None else top_p, top_k=top_k, seed=seed, stops=_stops(body),
                    stream=stream, include_usage=include_usage, ignored=ignored)
-
-
-def _content_text(content: object, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{where}.content[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported",
-                           "unsupported_value")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _bad(f"{where}.content", f"must be a string or an array of text parts, got {_type_name(content)}",
-               "invalid_type")
-
-
-def _messages(body: dict, ignored: list[str]) -> list[ChatMessage]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list):
-        raise _bad("messages", "is required and must be an array" if msgs is None else
-                   f"must be an array, got {_type_name(msgs)}", "invalid_type")
-    if not msgs:
-        raise _bad("messages", "must hold at least one message")
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(where, f"must be an object, got {_type_name(m)}", "invalid_type")
-        role = m.get("role")
-        if not isinstance(role, str):
-            raise _bad(f"{where}.role", "is required and must be a string" if role is None else
-                       f"must be a string, got {_type_name(role)}", "invalid_type")
-        if role not in _ROLES:
-            raise _bad(f"{where}.role", f"must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
-        name = m.get("name")
-        if name is not None and not isinstance(name, str):
-            raise _bad(f"{where}.name", f"must be a string, got {_type_name(name)}", "invalid_type")
-        calls = _message_tool_calls(m, role, where)
-        call_id = m.get("tool_call_id")
-        if role == "tool":
-            if not isinstance(call_id, str):
-                raise _bad(f"{where}.tool_call_id", "is required for role tool and must be a string" if call_id is None
-                           else f"must be a string, got {_type_name(call_id)}", "missing" if call_id is None
-                           else "invalid_type")
-        elif "tool_call_id" in m:
-            ignored.append(f"{where}.tool_call_id")
-        out.append(ChatMessage(role, _content_text(m.get("content"), where), tool_calls=calls,
-                               tool_call_id=call_id if role == "tool" else None, name=name))
-        ignored.extend(f"{where}.{k}" for k in m if k not in _MESSAGE_KNOWN)
-    return out
-
-
-def _string_field(obj: dict, key: str, where: str) -> str:
-    v = obj.get(key)
-    if not isinstance(v, str):
-        raise _bad(f"{where}.{key}", "is required and must be a string" if v is None else
-                   f"must be a string, got {_type_name(v)}", "missing" if v is None else "invalid_type")
-    return v
-
-
-def _object_field(obj: dict, key: str, where: str) -> dict:
-    v = obj.get(key)
-    if not isinstance(v, dict):
-        raise _bad(f"{where}.{key}", "is required and must be an object" if v is None else
-                   f"must be an object, got {_type_name(v)}", "missing" if v is None else "invalid_type")
-    return v
-
-
-def _message_tool_calls(m: dict, role: str, where: str) -> tuple[ToolCall, ...]:
-    """The ``tool_calls`` of message ``m`` (an assistant's only): each
-    ``{"id", "type": "function", "function": {"name", "arguments"}}`` whose arguments are
-    the JSON text of an object, as the API returns them."""
-    calls = m.get("tool_calls")
-    if calls is None:
-        return ()
-    if role != "assistant":
-        raise _bad(f"{where}.tool_calls", f"only assistant messages carry tool calls, this one has role {role!r}")
-    if not isinstance(calls, list):
-        raise _bad(f"{where}.tool_calls", f"must be an array, got {_type_name(calls)}", "invalid_type")
-    out = []
-    for j, call in enumerate(calls):
-        at = f"{where}.tool_calls[{j}]"
-        if not isinstance(call, dict):
-            raise _bad(at, f"must be an object, got {_type_name(call)}", "invalid_type")
-        call_id = _string_field(call, "id", at)
-        if call.get("type", "function") != "function":
-            raise _bad(f"{at}.type", f"must be 'function', got {call.get('type')!r}")
-        fn = _object_field(call, "function", at)
-        name = _string_field(fn, "name", f"{at}.function")
-        arguments = _string_field(fn, "arguments", f"{at}.function")
-        try:
-            parsed = json.loads(arguments)
-        except (ValueError, RecursionError):
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise _bad(f"{at}.function.arguments", "must be the JSON text of an object (as the API returns it), "
-                       f"got {arguments[:40]!r}")
-        out.append(ToolCall(id=call_id, name=name, arguments=arguments))
-    return tuple(out)
-
-
-_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-_NO_CONSTRAINT = ("fleetrl samples the model's own answer and does not constrain decoding, so it cannot force "
-                  "a tool call; send tool_choice 'auto' (or 'none')")
-
-
-def _tools(body: dict) -> list[dict] | None:
-    """The request's ``tools`` as sent (checked; an empty array is no tools)."""
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise _bad("tools", f"must be an array, got {_type_name(tools)}", "invalid_type")
-    names: list[str] = []
-    for i, t in enumerate(tools):
-        at = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise _bad(at, f"must be an object, got {_type_name(t)}", "invalid_type")
-        kind = _string_field(t, "type", at)
-        if kind != "function":
-            raise _bad(f"{at}.type", f"must be 'function', got {kind!r}")
-        fn = _object_field(t, "function", at)
-        name = _string_field(fn, "name", f"{at}.function")
-        if not _TOOL_NAME.fullmatch(name):
-            raise _bad(f"{at}.function.name", f"must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name[:80]!r}")
-        if name in names:
-            raise _bad(f"{at}.function.name", f"{name!r} is defined twice")
-        names.append(name)
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise _bad(f"{at}.function.description", f"must be a string, got {_type_name(fn['description'])}",
-                       "invalid_type")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise _bad(f"{at}.function.parameters", "must be an object (a JSON schema), got "
-                       f"{_type_name(fn['parameters'])}", "invalid_type")
-    return tools or None
-
-
-def _tool_choice(body: dict, tools: list[dict] | None) -> str:
-    """``"auto"`` or ``"none"`` (the default: ``"auto"`` with tools, else ``"none"``)."""
-    choice = body.get("tool_choice")
-    if choice is None:
-        return "auto" if tools else "none"
-    if isinstance(choice, str):
-        if choice == "none":
-            return choice
-        if choice not in ("auto", "required"):
-            raise _bad("tool_choice", f"must be 'none', 'auto', 'required' or a named function, got {choice!r}")
-    elif isinstance(choice, dict):
-        fn = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad("tool_choice", 'a named tool choice is {"type": "function", "function": {"name": ...}}')
-    else:
-        raise _bad("tool_choice", f"must be a string or an object, got {_type_name(choice)}", "invalid_type")
-    if not tools:
-        raise _bad("tool_choice", "a tool_choice other than 'none' needs tools (tools is missing or empty)")
-    if choice == "auto":
-        return choice
-    what = "'required'" if choice == "required" else f"a named function ({choice['function']['name']!r})"
-    raise _bad("tool_choice", f"{what} is not supported: {_NO_CONSTRAINT}", "unsupported_value")
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -425,7 +253,7 @@ def chat_request(body: dict, config: EndpointConfig) -> ChatRequest:
     """Check a chat completion request body (module docstring)."""
     c = _common(body, _CHAT_KNOWN, config)
     ignored = list(c.ignored)
-    messages = _messages(body, ignored)
+    messages = chat_messages(body, ignored)
     requested = _int(body, "max_completion_tokens", 1)
     if requested is None:
         requested = _int(body, "max_tokens", 1)
@@ -433,8 +261,8 @@ def chat_request(body: dict, config: EndpointConfig) -> ChatRequest:
     top = _int(body, "top_logprobs", 0, 20) or 0
     if top and not want_logprobs:
         raise _bad("top_logprobs", "requires logprobs: true")
-    tools = _tools(body)
-    tool_choice = _tool_choice(body, tools)
+    tools = request_tools(body)
+    tool_choice = request_tool_choice(body, tools)
     if body.get("parallel_tool_calls") is not None and not _bool(body, "parallel_tool_calls"):
         ignored.append("parallel_tool_calls")  # not enforced: every call the model wrote is returned
     return ChatRequest(common=c, messages=messages, max_tokens=requested, logprobs=want_logprobs,

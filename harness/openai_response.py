@@ -15,8 +15,9 @@ the chat template's tool-call format) has ``tool_calls`` (``id``, ``type:
 Streaming is built from pure pieces, one choice at a time: `chat_role_chunk`, then
 `chat_content_chunk` per piece of text, then `chat_final_chunks` (the tool-call deltas
 and the finish), and `usage_chunk` once after every choice; `completion_chunk` for
-completions. The route (`openai_api`) sends the pieces as the sampler produces tokens,
-as far as `openai_stream.TextStreamer` says they are certain.
+completions; `ResponseShape` (`chat_shape`, `completion_shape`) picks a route's
+builders. The route (`openai_api`) sends the pieces as the sampler produces tokens, as
+far as `openai_stream.TextStreamer` says they are certain.
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ __all__ = [
     "CALL_HEADER",
     "IGNORED_HEADER",
     "Reply",
+    "ResponseShape",
     "chat_body",
     "chat_content_chunk",
     "chat_final_chunks",
     "chat_logprobs",
     "chat_message",
     "chat_role_chunk",
+    "chat_shape",
     "completion_body",
     "completion_chunk",
     "completion_logprobs",
+    "completion_shape",
     "finish_reason",
     "response_headers",
     "sse",
@@ -231,3 +235,44 @@ def completion_body(reply: Reply, recs: Sequence[CallRecord], logprobs: Sequence
             "choices": [{"index": i, "text": rec.text, "logprobs": lp, "finish_reason": finish_reason(rec)}
                         for i, (rec, lp) in enumerate(zip(recs, logprobs))],
             "usage": usage(recs)}
+
+
+# --------------------------------------------------------------------------- one shape per route
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseShape:
+    """How one route's response is built, body and stream alike: the ``reply`` every
+    piece repeats, its chunk ``object``, and the builders of its body, of a choice's
+    opening chunks, of a piece of its text and of its final chunks."""
+
+    reply: Reply
+    chunk_object: str
+
+    def body(self, recs: Sequence[CallRecord], logprobs: Sequence[Logprobs]) -> dict[str, Any]:
+        if self.chunk_object == "chat.completion.chunk":
+            return chat_body(self.reply, recs, logprobs)
+        return completion_body(self.reply, recs, logprobs)
+
+    def opening(self, index: int) -> list[dict[str, Any]]:
+        return [chat_role_chunk(self.reply, index)] if self.chunk_object == "chat.completion.chunk" else []
+
+    def content(self, index: int, text: str) -> dict[str, Any]:
+        if self.chunk_object == "chat.completion.chunk":
+            return chat_content_chunk(self.reply, index, text)
+        return completion_chunk(self.reply, index, text)
+
+    def final(self, index: int, rec: CallRecord, logprobs: Logprobs) -> list[dict[str, Any]]:
+        if self.chunk_object == "chat.completion.chunk":
+            return chat_final_chunks(self.reply, index, rec, logprobs)
+        return [completion_chunk(self.reply, index, "", finish_reason(rec), logprobs)]
+
+
+def chat_shape(reply: Reply) -> ResponseShape:
+    """The chat route's: ``chat.completion`` bodies and ``chat.completion.chunk`` events."""
+    return ResponseShape(reply, "chat.completion.chunk")
+
+
+def completion_shape(reply: Reply) -> ResponseShape:
+    """The completions route's: ``text_completion`` bodies and events."""
+    return ResponseShape(reply, "text_completion")

@@ -45,6 +45,7 @@ from .tasks import Evaluator, Limits, Setup, Source, Task
 
 __all__ = [
     "ANSWER_FILE",
+    "CODE_LETTERS",
     "FAMILY",
     "READ_FILE_TOOL",
     "TOOLS",

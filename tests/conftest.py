@@ -105,6 +105,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def tiny_torch_backend(tiny_model_dir):
+    """The real torch sampler backend over `tiny_model_dir` (one per test module)."""
+    from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
+
+    return TorchBackend(TorchBackendConfig(model_dir=str(tiny_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_tok(tiny_model_dir):
+    """`tiny_model_dir`'s tokenizer as the endpoint's `HFChatTokenizer`."""
+    from fleetrl.harness.model import HFChatTokenizer
+
+    return HFChatTokenizer.from_pretrained(tiny_model_dir)
+
+
 @pytest.fixture(scope="session")
 def hf_tokenizer():
     """The byte tokenizer as transformers loads it."""

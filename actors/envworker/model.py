@@ -22,8 +22,8 @@ paces by it).
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 import numpy as np
@@ -64,15 +64,22 @@ class LocalModelClient:
 
     async def generate(self, prompt_ids: Sequence[int], params: m.SamplingParams) -> m.Generation:
         request_id = f"{self.identity.sampler_id}-{next(self._ids)}"
-        try:
+        with self._backend_failures():
             (gen,) = await trio.to_thread.run_sync(self.backend.generate, [list(prompt_ids)], params,
                                                    limiter=self._limit, abandon_on_cancel=True)
+        self.calls += 1
+        return stamp(gen, request_id, self.identity)
+
+    @contextmanager
+    def _backend_failures(self) -> Iterator[None]:
+        """The backend's refusals as `ModelUnavailable`: a bad request is final, a
+        numerical failure may pass on a retry."""
+        try:
+            yield
         except BadGenerateRequest as exc:
             raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=False) from exc
         except NumericalFailure as exc:
             raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=True) from exc
-        self.calls += 1
-        return stamp(gen, request_id, self.identity)
 
     async def stream(self, prompt_ids: Sequence[int], params: m.SamplingParams
                      ) -> AsyncIterator[m.TokenChunk | m.Generation]:
@@ -133,12 +140,8 @@ class LocalModelClient:
         except BaseException:  # cancelled, or the reader closed the stream
             feed.abandoned = True
             raise
-        try:
+        with self._backend_failures():
             gen = feed.result.unwrap()
-        except BadGenerateRequest as exc:
-            raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=False) from exc
-        except NumericalFailure as exc:
-            raise ModelUnavailable(f"{self.identity.sampler_id}: {exc}", retryable=True) from exc
         self.calls += 1
         yield stamp(gen, request_id, self.identity)
 

@@ -44,6 +44,7 @@ import msgspec
 import trio
 
 from fleetrl.daemon import messages as m
+from fleetrl.daemon.streams import stream_or_once
 
 from .errors import SamplerLost
 from .local import LocalSampler, SamplerHandle
@@ -452,14 +453,8 @@ class SamplerPool:
             getattr(self.log, level)(event, **kw)
 
 
-async def _handle_items(handle: SamplerHandle, request: m.GenerateRequest, started: Callable[[], None],
-                        streamed: bool) -> AsyncIterator[list[int] | m.Generation | m.GenerateFailed]:
+def _handle_items(handle: SamplerHandle, request: m.GenerateRequest, started: Callable[[], None],
+                  streamed: bool) -> AsyncIterator[list[int] | m.Generation | m.GenerateFailed]:
     """What `handle` sends back for `request`: its ``stream`` (chunks of token ids, then
     the answer) when `streamed` and it has one, else its ``generate``'s answer alone."""
-    stream = getattr(handle, "stream", None) if streamed else None
-    if stream is None:
-        yield await handle.generate(request, started)
-        return
-    async with aclosing(stream(request, started)) as items:
-        async for item in items:
-            yield item
+    return stream_or_once(getattr(handle, "stream", None) if streamed else None, handle.generate, request, started)

@@ -10,6 +10,9 @@ tool call and the answer, each with its closing EOS (what a sampler generates); 
 system turn, the request and the tool's output are context, never targets. The first
 ``plain_steps`` batches (`WarmRecipe.plain_steps`) render the same conversations without
 the tools list: a short context in which the tiny model learns the two lookups quickly.
+With ``lookup_share < 1`` the others answer at once with a guessed code
+(`guess_messages`): the warm model then looks up only part of the time, as a model that
+does not always use its tools does, and reinforcement learning has a habit to change.
 
 `render_conversation` turns OpenAI-format messages into the template's text exactly as
 the endpoint renders a request (`HFChatTokenizer.render`);
@@ -19,6 +22,8 @@ without the generation prompt. Pure, given the tokenizer.
 
 from __future__ import annotations
 
+import hashlib
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,7 +34,7 @@ from transformers import PreTrainedTokenizerFast
 from fleetrl.actors.model.byte_tokenizer import EOS_ID, PAD_ID
 from fleetrl.harness.chat import ChatMessage, ToolCall
 from fleetrl.harness.model import HFChatTokenizer
-from fleetrl.harness.synthetic_tools import TOOLS, reference_messages, tool_task_stream
+from fleetrl.harness.synthetic_tools import CODE_LETTERS, TOOLS, reference_messages, tool_task_stream
 from fleetrl.harness.tasks import Task
 
 from .warmup import IGNORE, Batch, WarmupConfig
@@ -40,6 +45,8 @@ __all__ = [
     "encode_conversation",
     "chat_message",
     "encode_tool_example",
+    "guess_messages",
+    "looks_up",
     "render_conversation",
     "tool_training_batches",
 ]
@@ -136,18 +143,42 @@ def collate_masked(examples: Sequence[MaskedExample]) -> Batch:
     return Batch(ids, mask, labels, prompt_labels)
 
 
+def guess_messages(task: Task) -> list[dict[str, Any]]:
+    """The conversation of a model that answers without looking: the request, then a code
+    guessed at once (drawn from the task's id alone: right about one time in 24)."""
+    guess = random.Random(f"fleetrl.tool_lookup/guess/{task.id}").choice(CODE_LETTERS)
+    return [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": guess}]
+
+
+def looks_up(task: Task, lookup_share: float) -> bool:
+    """Whether the warm-up's conversation of ``task`` looks the code up (`reference_messages`)
+    or guesses (`guess_messages`): a hash of the task's id against ``lookup_share``."""
+    if lookup_share >= 1.0:
+        return True
+    digest = hashlib.blake2b(f"lookup/{task.id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < lookup_share
+
+
 def tool_training_batches(config: WarmupConfig, tokenizer: PreTrainedTokenizerFast, *,
-                          plain_steps: int = 0) -> Iterator[Batch]:
+                          plain_steps: int = 0, lookup_share: float = 1.0) -> Iterator[Batch]:
     """Batches of ``config.batch_size`` consecutive tasks of the tool-lookup training
     stream; the first ``plain_steps`` batches render the conversations without the tools
-    list (`WarmRecipe.plain_steps`)."""
+    list (`WarmRecipe.plain_steps`); a share ``1 - lookup_share`` of the tasks are
+    conversations that answer without the tool (`guess_messages`, `WarmRecipe.lookup_share`)."""
+    if not 0.0 < lookup_share <= 1.0:
+        raise ValueError(f"lookup_share must be in (0, 1], got {lookup_share!r}")
     stream = tool_task_stream(config.task_seed, start=config.task_start)
     step = 0
     while True:
-        if step < plain_steps:
-            examples = [encode_conversation(tokenizer, reference_messages(next(stream)), None)
-                        for _ in range(config.batch_size)]
-        else:
-            examples = [encode_tool_example(next(stream), tokenizer) for _ in range(config.batch_size)]
+        tools = None if step < plain_steps else TOOLS
+        examples = []
+        for _ in range(config.batch_size):
+            task = next(stream)
+            if not looks_up(task, lookup_share):
+                examples.append(encode_conversation(tokenizer, guess_messages(task), tools))
+            elif tools is None:
+                examples.append(encode_conversation(tokenizer, reference_messages(task), None))
+            else:
+                examples.append(encode_tool_example(task, tokenizer))
         yield collate_masked(examples)
         step += 1

@@ -25,14 +25,12 @@ a cache) build once: the second waits and then reuses the first's result.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -56,7 +54,6 @@ __all__ = [
     "WarmRecipe",
     "check_warm_dir",
     "ensure_warm_model",
-    "main",
     "recipe_key",
     "task_family_digest",
     "weights_digest",
@@ -95,6 +92,11 @@ class WarmRecipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     schedule of ``warmup.steps`` (None: all of them). The model reads the tool prompt
     within a few dozen steps once it has the lookups, so this is where "weak but not
     hopeless" is set."""
+    lookup_share: float = 1.0
+    """Tool-lookup only: the share of the warm-up's conversations that look the code up
+    (the others answer at once with a guessed code: `tool_warmup.guess_messages`). Below
+    1 the warm model uses its tool only part of the time, a habit reinforcement learning
+    can change within a few dozen steps."""
 
     def __post_init__(self) -> None:
         last = self.warmup.steps if self.stop_after is None else self.stop_after
@@ -103,8 +105,11 @@ class WarmRecipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         if self.stop_after is not None and not 1 <= self.stop_after <= self.warmup.steps:
             raise ValueError(f"WarmRecipe.stop_after must be in [1, warmup.steps={self.warmup.steps}], "
                              f"got {self.stop_after}")
-        if (self.plain_steps or self.stop_after is not None) and self.tasks != "tool_lookup":
-            raise ValueError('WarmRecipe.plain_steps and stop_after are only used with tasks = "tool_lookup"')
+        if not 0.0 < self.lookup_share <= 1.0:
+            raise ValueError(f"WarmRecipe.lookup_share must be in (0, 1], got {self.lookup_share}")
+        if (self.plain_steps or self.stop_after is not None or self.lookup_share != 1.0) and self.tasks != "tool_lookup":
+            raise ValueError('WarmRecipe.plain_steps, stop_after and lookup_share are only used with '
+                             'tasks = "tool_lookup"')
 
 
 DEFAULT_RECIPE: Final = WarmRecipe()
@@ -165,7 +170,7 @@ def recipe_key(recipe: WarmRecipe, *, task_family: str | None = None) -> str:
     family = task_family if task_family is not None else task_family_digest(recipe.tasks)
     fields = msgspec.to_builtins(recipe)
     if recipe.tasks == "synthetic":  # keys of recipes made before these fields existed stay valid
-        del fields["tasks"], fields["plain_steps"], fields["stop_after"]
+        del fields["tasks"], fields["plain_steps"], fields["stop_after"], fields["lookup_share"]
     payload = msgspec.json.encode({"format": CACHE_FORMAT, "recipe": fields, "task_family": family})
     return hashlib.sha256(payload).hexdigest()[:24]
 
@@ -273,7 +278,8 @@ def _build(final: Path, key: str, family: str, recipe: WarmRecipe, log: Callable
             from fleetrl.actors.model.byte_tokenizer import build_byte_tokenizer
             from fleetrl.actors.recipe.tool_warmup import tool_training_batches
 
-            batches = tool_training_batches(recipe.warmup, build_byte_tokenizer(), plain_steps=recipe.plain_steps)
+            batches = tool_training_batches(recipe.warmup, build_byte_tokenizer(), plain_steps=recipe.plain_steps,
+                                            lookup_share=recipe.lookup_share)
         result = run_warmup(model, recipe.warmup, on_step=progress, batches=batches, stop_after=recipe.stop_after)
         staging = save_tiny_llama(model, work / "model")
         files = {
@@ -346,112 +352,3 @@ def ensure_warm_model(
         if why is not None:  # pragma: no cover - would be a bug in _build
             raise RuntimeError(f"the freshly built warm model does not pass its check: {why}")
     return final
-
-
-def _measure(model_dir: Path, label: str, n: int, task_seed: int, sample_seed: int) -> dict[str, object]:
-    from fleetrl.actors.recipe.evaluate import EvalSampling, evaluate_pass_at_1
-
-    out: dict[str, object] = {}
-    for split in ("fresh", "general"):
-        result = evaluate_pass_at_1(
-            model_dir, split=split, n=n, task_seed=task_seed, sampling=EvalSampling(seed=sample_seed)
-        )
-        rate = result.pass_at_1
-        print(f"{label:>12} {split:>8}: pass@1 {rate}  mean reward {result.mean_reward:.3f}  "
-              f"stopped {100 * result.stopped:.0f}%  ({result.sample_seconds:.1f} s sampling, "
-              f"{result.score_seconds:.1f} s scoring)", file=sys.stderr)
-        out[split] = {
-            "pass_at_1": rate.rate, "ci95": [rate.low, rate.high], "successes": rate.successes, "n": rate.n,
-            "mean_reward": result.mean_reward, "stopped": result.stopped,
-            "sample_s": result.sample_seconds, "score_s": result.score_seconds,
-        }
-    return out
-
-
-def _measure_tools(model_dir: Path, label: str, n: int, task_seed: int, sample_seed: int) -> dict[str, object]:
-    from fleetrl.actors.recipe.tool_eval import TOOL_SAMPLING, evaluate_tool_pass_at_1
-
-    result = evaluate_tool_pass_at_1(model_dir, n=n, task_seed=task_seed,
-                                     sampling=msgspec.structs.replace(TOOL_SAMPLING, seed=sample_seed))
-    rate = result.pass_at_1
-    print(f"{label:>12}    fresh: pass@1 {rate}  answered {100 * result.stopped:.0f}%  "
-          f"({result.sample_seconds:.1f} s sampling)", file=sys.stderr)
-    return {"fresh": {"pass_at_1": rate.rate, "ci95": [rate.low, rate.high], "successes": rate.successes, "n": rate.n,
-                      "answered": result.stopped, "sample_s": result.sample_seconds}}
-
-
-def _sampling_speed(model_dir: Path, batch: int, rounds: int, sample_seed: int) -> dict[str, float]:
-    """Tokens per second of the torch sampler backend (fp32) on batches of `batch` fresh
-    prompts with the RL phase's sampling settings: wall-clock and per CPU-second."""
-    from fleetrl.actors.model import EOS_ID, build_byte_tokenizer
-    from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
-    from fleetrl.daemon.messages import SamplingParams
-
-    tok = build_byte_tokenizer()
-    backend = TorchBackend(TorchBackendConfig(model_dir=str(model_dir)))
-    tasks = generate_tasks(batch * rounds, split="fresh", seed=sample_seed + 1000)
-    prompts = [tok(t.prompt, add_special_tokens=True)["input_ids"] for t in tasks]
-    tokens = 0
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-    for r in range(rounds):
-        params = SamplingParams(max_tokens=48, temperature=1.0, top_p=0.95, stop_ids=(EOS_ID,), seed=sample_seed + r)
-        tokens += sum(g.num_tokens for g in backend.generate(prompts[r * batch:(r + 1) * batch], params))
-    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-    out = {"batch": batch, "tokens": tokens, "wall_s": wall, "cpu_s": cpu,
-           "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu}
-    print(f"sampling speed (torch fp32, batch {batch}): {tokens / wall:.0f} tokens/s wall, "
-          f"{tokens / cpu:.0f} tokens per CPU-second ({tokens} tokens)", file=sys.stderr)
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Build (or find) the warm model and measure pass@1 before and after warm-up.
-
-    `python -m fleetrl.actors.recipe.warm_model --cache-dir DIR [--eval N]`: prints
-    progress and a table to stderr, then one JSON line with the figures (it reproduces
-    the measurements of docs/results/warmup.md).
-    """
-    parser = argparse.ArgumentParser(prog="python -m fleetrl.actors.recipe.warm_model", description=main.__doc__)
-    parser.add_argument("--cache-dir", required=True, type=Path, help="where warm models are cached")
-    parser.add_argument("--eval", type=int, default=200, metavar="N", help="tasks per evaluation set (0: none)")
-    parser.add_argument("--eval-seed", type=int, default=1, help="task seed of the evaluation sets")
-    parser.add_argument("--sample-seed", type=int, default=0, help="seed of the sampling RNG")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the random-init evaluation")
-    parser.add_argument("--speed-batch", type=int, default=32, metavar="B",
-                        help="measure sampling speed on batches of B prompts (0: skip)")
-    parser.add_argument("--recipe", choices=("default", "tool_lookup"), default="default",
-                        help="DEFAULT_RECIPE (synthetic coding) or TOOL_RECIPE (tool lookup: fresh split only)")
-    args = parser.parse_args(argv)
-    if args.eval < 0:
-        parser.error("--eval must be >= 0")
-    recipe = TOOL_RECIPE if args.recipe == "tool_lookup" else DEFAULT_RECIPE
-    measure = _measure_tools if recipe.tasks == "tool_lookup" else _measure
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
-    report: dict[str, object] = {"recipe": msgspec.to_builtins(recipe), "torch_threads": torch.get_num_threads()}
-    started = time.perf_counter()
-    path = ensure_warm_model(args.cache_dir, recipe, log=lambda line: print(line, file=sys.stderr))
-    report["ensure_s"] = time.perf_counter() - started
-    report["model_dir"] = str(path)
-    manifest = msgspec.json.decode((path / MANIFEST).read_bytes(), type=WarmManifest)
-    report["warmup_s"] = manifest.warmup_seconds
-    report["loss_first"], report["loss_last"] = manifest.losses[0], manifest.losses[-1]
-    if args.eval:
-        if not args.no_baseline:
-            with tempfile.TemporaryDirectory(prefix="fleetrl-init-") as tmp:
-                init_dir = save_tiny_llama(build_tiny_llama(recipe.model, seed=recipe.init_seed), Path(tmp) / "init")
-                report["random_init"] = measure(init_dir, "random init", args.eval, args.eval_seed, args.sample_seed)
-        t0 = time.perf_counter()
-        report["warm"] = measure(path, "warm", args.eval, args.eval_seed, args.sample_seed)
-        report["warm_eval_s"] = time.perf_counter() - t0
-    if args.speed_batch > 0 and recipe.tasks == "synthetic":
-        report["sampling_speed"] = _sampling_speed(path, args.speed_batch, 3, args.sample_seed)
-    print(json.dumps(report, sort_keys=True))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,21 +11,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fleetrl.actors.samplers import TorchBackend
 
-__all__ = ["GatedBackend", "GatedRun"]
+__all__ = ["GatedBackend", "GatedRun", "WrappedBackend"]
 
 
-class GatedBackend:
-    """The real torch backend; each generation waits at `gate` before its second decode
-    step (a test fake of a slow device), and `finished` is set when a generation has
-    ended. `finishes` records ``(prompt index, finish reason, tokens)`` as prompts end."""
+class WrappedBackend:
+    """A real sampler backend under a test's control: what the pool reads of a sampler
+    (its identity and weight version) is the inner backend's; subclasses override the
+    calls they fake."""
 
-    streams_tokens = True
-
-    def __init__(self, inner: TorchBackend) -> None:
+    def __init__(self, inner) -> None:
         self.inner = inner
-        self.gate = threading.Event()
-        self.finished = threading.Event()
-        self.finishes: list[tuple[int, str, int]] = []
 
     @property
     def identity(self):
@@ -34,6 +29,20 @@ class GatedBackend:
     @property
     def weight_version(self):
         return self.inner.weight_version
+
+
+class GatedBackend(WrappedBackend):
+    """The real torch backend; each generation waits at `gate` before its second decode
+    step (a test fake of a slow device), and `finished` is set when a generation has
+    ended. `finishes` records ``(prompt index, finish reason, tokens)`` as prompts end."""
+
+    streams_tokens = True
+
+    def __init__(self, inner: TorchBackend) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.finished = threading.Event()
+        self.finishes: list[tuple[int, str, int]] = []
 
     def check_generate(self, prompts, params):
         return self.inner.check_generate(prompts, params)

@@ -10,29 +10,16 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 import trio
 from fakes import FakeModel, serving
 from gated import GatedBackend
 
 from fleetrl.actors.envworker import LocalModelClient
-from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
 from fleetrl.daemon import messages as m
 from fleetrl.harness.chat import ChatMessage
-from fleetrl.harness.model import HFChatTokenizer
 from fleetrl.harness.openai_api import AttemptRegistry, EndpointConfig, create_app
 
 USER = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def torch_backend(tiny_model_dir):
-    return TorchBackend(TorchBackendConfig(model_dir=str(tiny_model_dir)))
-
-
-@pytest.fixture(scope="module")
-def model_tok(tiny_model_dir):
-    return HFChatTokenizer.from_pretrained(tiny_model_dir)
 
 
 def events(lines: list[str]) -> list[dict | str]:
@@ -50,14 +37,14 @@ def ascii_first_seed(backend, tok, prompt: list[int]) -> int:
     raise AssertionError("no seed in 200 starts with an ASCII letter or digit")
 
 
-async def test_first_chunk_arrives_before_the_generation_ends(torch_backend, model_tok):
-    backend = GatedBackend(torch_backend)
-    client = LocalModelClient(backend, model_tok)
-    registry = AttemptRegistry(model_tok)
+async def test_first_chunk_arrives_before_the_generation_ends(tiny_torch_backend, tiny_chat_tok):
+    backend = GatedBackend(tiny_torch_backend)
+    client = LocalModelClient(backend, tiny_chat_tok)
+    registry = AttemptRegistry(tiny_chat_tok)
     app = create_app(client, registry, EndpointConfig(model_name="tiny", context_length=1024))
     key = registry.open_attempt("a1", "t1")
     plan_ids = registry.recorder(key).plan_chat([ChatMessage(**d) for d in USER]).ids
-    seed = ascii_first_seed(torch_backend, model_tok, plan_ids)
+    seed = ascii_first_seed(tiny_torch_backend, tiny_chat_tok, plan_ids)
     body = {"model": "tiny", "messages": USER, "stream": True, "max_tokens": 12, "seed": seed,
             "stream_options": {"include_usage": True}}
     lines: list[str] = []
@@ -86,10 +73,10 @@ async def test_first_chunk_arrives_before_the_generation_ends(torch_backend, mod
     assert len(content_chunks) >= 2  # the first token alone, then the rest as decoded
 
 
-async def test_a_client_that_leaves_mid_stream_records_nothing_and_frees_its_slots(torch_backend, model_tok):
-    backend = GatedBackend(torch_backend)
-    client = LocalModelClient(backend, model_tok)
-    registry = AttemptRegistry(model_tok)
+async def test_a_client_that_leaves_mid_stream_records_nothing_and_frees_its_slots(tiny_torch_backend, tiny_chat_tok):
+    backend = GatedBackend(tiny_torch_backend)
+    client = LocalModelClient(backend, tiny_chat_tok)
+    registry = AttemptRegistry(tiny_chat_tok)
     app = create_app(client, registry, EndpointConfig(model_name="tiny", context_length=1024))
     key = registry.open_attempt("a1", "t1")
     body = {"model": "tiny", "messages": USER, "stream": True, "max_tokens": 12, "n": 2}

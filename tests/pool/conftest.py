@@ -19,6 +19,7 @@ from fleetrl.actors.model import (
 )
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.protocol import Tensor
+from gated import WrappedBackend
 
 SPEC = TinyLlamaSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
                      max_position_embeddings=256, initializer_range=0.1)
@@ -37,23 +38,15 @@ def request(i: int, *, max_tokens: int = 6, min_version: int = 0, prompt=None) -
                              min_version=min_version)
 
 
-class ScriptedBackend:
+class ScriptedBackend(WrappedBackend):
     """A real backend whose generate can be made to hang or crash (an in-memory fake of a
     broken device; everything else is the real backend)."""
 
     def __init__(self, inner, mode: str = "ok") -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.mode = mode
         self.release = threading.Event()
         self.calls = 0
-
-    @property
-    def identity(self):
-        return self.inner.identity
-
-    @property
-    def weight_version(self):
-        return self.inner.weight_version
 
     def generate(self, prompts, params):
         self.calls += 1

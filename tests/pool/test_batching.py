@@ -18,14 +18,12 @@ from fleetrl.actors.model import BOS_ID
 from fleetrl.actors.pool.local import LocalSampler, SamplerLost
 from fleetrl.actors.pool import SamplerPool
 from fleetrl.actors.pool.remote_client import RemoteClientConfig, serve_once
-from fleetrl.actors.pool.remote_server import fleet_app
 from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
 from fleetrl.actors.samplers.batching import batch_key, take_batch
 from fleetrl.daemon import messages as m
-from fleetrl.daemon.control import MountTable, build_app, serve_control
 from fleetrl.daemon.protocol import Tensor
 
-from .test_remote import _Plane
+from .test_remote import TOKEN, _serve
 
 
 def _req(i: int, prompt: list[int], *, max_tokens: int = 8, temperature: float = 1.0, top_p: float = 0.95,
@@ -369,16 +367,10 @@ async def test_remote_sampler_batches_what_the_daemon_sends(model_dir):
     pool = SamplerPool()
     inner = TorchBackend(TorchBackendConfig(model_dir=str(model_dir)))
     backend = Stepwise(inner)
-    mounts = MountTable()
-    mounts.add("/fleet", fleet_app(pool, token="t0k", run_id="run-b", heartbeat_s=0.5), auth=False, owner="pool")
-    stop = trio.Event()
     with trio.fail_after(120):
         async with trio.open_nursery() as n:
-            host, port = await n.start(lambda task_status: serve_control(
-                build_app(_Plane(), "control-token", mounts), "127.0.0.1", 0,
-                shutdown_trigger=stop.wait, task_status=task_status))
-            cfg = RemoteClientConfig(join_url=f"ws://{host}:{port}/fleet/join", token="t0k", capacity=12,
-                                     max_batch=8, name="box")
+            url, stop = await _serve(n, pool, heartbeat_s=0.5)
+            cfg = RemoteClientConfig(join_url=url, token=TOKEN, capacity=12, max_batch=8, name="box")
             n.start_soon(lambda: serve_once(cfg, backend))
             while not pool.handles:
                 await trio.sleep(0.02)

@@ -21,27 +21,14 @@ from fleetrl.actors.model import BOS_ID
 from fleetrl.actors.pool import SamplerPool
 from fleetrl.actors.pool.local import LocalSampler
 from fleetrl.actors.pool.remote_client import RemoteClientConfig, serve_once
-from fleetrl.actors.pool.remote_server import fleet_app
-from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
 from fleetrl.daemon import messages as m
-from fleetrl.daemon.control import MountTable, build_app, serve_control
 from fleetrl.daemon.protocol import Tensor
-from fleetrl.harness.model import HFChatTokenizer, ModelUnavailable, StreamingModelClient, stream_generation
+from fleetrl.harness.model import ModelUnavailable, StreamingModelClient, stream_generation
 
-from .test_remote import _Plane
+from .test_remote import TOKEN, _serve
 
 
 PROMPT = [BOS_ID, 104, 105]
-
-
-@pytest.fixture(scope="module")
-def torch_backend(tiny_model_dir):
-    return TorchBackend(TorchBackendConfig(model_dir=str(tiny_model_dir)))
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return HFChatTokenizer.from_pretrained(tiny_model_dir)
 
 
 def params(max_tokens: int = 8, *, seed: int | None = 3, stop_ids=(), temperature: float = 1.0) -> m.SamplingParams:
@@ -79,9 +66,9 @@ def same_generation(a: m.Generation, b: m.Generation) -> None:
 # --------------------------------------------------------------------------- the local client
 
 
-async def test_local_client_streams_the_first_token_before_the_generation_ends(torch_backend, tok):
-    backend = GatedBackend(torch_backend)
-    client = LocalModelClient(backend, tok, sampler_id="s0")
+async def test_local_client_streams_the_first_token_before_the_generation_ends(tiny_torch_backend, tiny_chat_tok):
+    backend = GatedBackend(tiny_torch_backend)
+    client = LocalModelClient(backend, tiny_chat_tok, sampler_id="s0")
     assert isinstance(client, StreamingModelClient)
     with trio.fail_after(60):
         chunks, gen = await read_gated(client, backend, PROMPT, params(8))
@@ -89,13 +76,13 @@ async def test_local_client_streams_the_first_token_before_the_generation_ends(t
     assert joined(chunks) == gen.token_ids.to_numpy().tolist()
     assert len(chunks) >= 2  # the first step's token alone, the rest as decoded
     assert {c.request_id for c in chunks} == {gen.request_id}
-    (ref,) = torch_backend.generate([PROMPT], params(8))
+    (ref,) = tiny_torch_backend.generate([PROMPT], params(8))
     same_generation(gen, msgspec.structs.replace(ref, sampler=client.identity))
     assert client.calls == 1
 
 
-async def test_local_client_stream_ends_with_the_right_finish_reason(torch_backend, tok):
-    client = LocalModelClient(torch_backend, tok)
+async def test_local_client_stream_ends_with_the_right_finish_reason(tiny_torch_backend, tiny_chat_tok):
+    client = LocalModelClient(tiny_torch_backend, tiny_chat_tok)
     with trio.fail_after(60):
         items = [x async for x in client.stream(PROMPT, params(6))]
         *chunks, gen = items
@@ -108,9 +95,9 @@ async def test_local_client_stream_ends_with_the_right_finish_reason(torch_backe
     assert joined(chunks) == cut.token_ids.to_numpy().tolist() == gen.token_ids.to_numpy().tolist()[:first + 1]
 
 
-async def test_local_client_stream_closed_early_frees_its_slot(torch_backend, tok):
-    backend = GatedBackend(torch_backend)
-    client = LocalModelClient(backend, tok, concurrency=1)
+async def test_local_client_stream_closed_early_frees_its_slot(tiny_torch_backend, tiny_chat_tok):
+    backend = GatedBackend(tiny_torch_backend)
+    client = LocalModelClient(backend, tiny_chat_tok, concurrency=1)
     with trio.fail_after(60):
         async with aclosing(client.stream(PROMPT, params(8))) as items:
             first = await items.__anext__()
@@ -122,8 +109,8 @@ async def test_local_client_stream_closed_early_frees_its_slot(torch_backend, to
     assert reason == "abort" and n <= 2
 
 
-async def test_local_client_stream_turns_bad_requests_into_model_unavailable(torch_backend, tok):
-    client = LocalModelClient(torch_backend, tok)
+async def test_local_client_stream_turns_bad_requests_into_model_unavailable(tiny_torch_backend, tiny_chat_tok):
+    client = LocalModelClient(tiny_torch_backend, tiny_chat_tok)
     with trio.fail_after(60), pytest.raises(ModelUnavailable, match="not a token id") as info:
         async for _ in client.stream([BOS_ID, 10**6], params()):
             pass
@@ -140,38 +127,38 @@ def pool_with(backend, *, capacity: int = 1) -> SamplerPool:
     return pool
 
 
-async def test_pool_client_streams_from_a_local_sampler_before_the_generation_ends(torch_backend, tok):
-    backend = GatedBackend(torch_backend)
+async def test_pool_client_streams_from_a_local_sampler_before_the_generation_ends(tiny_torch_backend, tiny_chat_tok):
+    backend = GatedBackend(tiny_torch_backend)
     pool = pool_with(backend)
-    client = PoolModelClient(pool, tok).for_attempt("g/0.1")
+    client = PoolModelClient(pool, tiny_chat_tok).for_attempt("g/0.1")
     with trio.fail_after(60):
         chunks, gen = await read_gated(client, backend, PROMPT, params(8))
-        direct = await PoolModelClient(pool_with(torch_backend), tok).for_attempt("g/0.1").generate(PROMPT, params(8))
+        direct = await PoolModelClient(pool_with(tiny_torch_backend), tiny_chat_tok).for_attempt("g/0.1").generate(PROMPT, params(8))
     assert joined(chunks) == gen.token_ids.to_numpy().tolist()
     same_generation(gen, direct)  # the final Generation is what generate answers: versions, sampler, seed, cost
     assert gen.sampler.sampler_id == "p0" and gen.versions.to_numpy().tolist() == [0] * gen.num_tokens
     assert pool.answered == 1 and pool.failed == 0 and pool.rerouted == 0
 
 
-async def test_pool_stream_without_streaming_backend_sends_the_answer_alone(torch_backend, tok):
+async def test_pool_stream_without_streaming_backend_sends_the_answer_alone(tiny_torch_backend, tiny_chat_tok):
     class Plain:  # a backend that cannot stream: no `streams_tokens`
-        identity = torch_backend.identity
-        weight_version = torch_backend.weight_version
+        identity = tiny_torch_backend.identity
+        weight_version = tiny_torch_backend.weight_version
 
         def generate(self, prompts, p):
-            return torch_backend.generate(prompts, p)
+            return tiny_torch_backend.generate(prompts, p)
 
         def health(self):
-            return torch_backend.health()
+            return tiny_torch_backend.health()
 
-    client = PoolModelClient(pool_with(Plain()), tok)
+    client = PoolModelClient(pool_with(Plain()), tiny_chat_tok)
     with trio.fail_after(60):
         items = [x async for x in client.stream(PROMPT, params(5))]
     assert len(items) == 1 and isinstance(items[0], m.Generation) and items[0].num_tokens == 5
 
 
-async def test_pool_stream_with_stop_ids_and_failures(torch_backend, tok):
-    client = PoolModelClient(pool_with(torch_backend), tok)
+async def test_pool_stream_with_stop_ids_and_failures(tiny_torch_backend, tiny_chat_tok):
+    client = PoolModelClient(pool_with(tiny_torch_backend), tiny_chat_tok)
     with trio.fail_after(60):
         *_, ref = [x async for x in client.stream(PROMPT, params(6))]
         stop = ref.token_ids.to_numpy().tolist()[1]
@@ -183,13 +170,13 @@ async def test_pool_stream_with_stop_ids_and_failures(torch_backend, tok):
                 pass
 
 
-async def test_a_closed_stream_leaks_nothing_and_its_batch_goes_on(torch_backend, tok):
+async def test_a_closed_stream_leaks_nothing_and_its_batch_goes_on(tiny_torch_backend, tiny_chat_tok):
     """Two requests in one batch (capacity 2); the first one's reader gives up after its
     first chunk: its row stops decoding at the next step, the other is answered, the
     sampler's slots come back."""
-    backend = GatedBackend(torch_backend)
+    backend = GatedBackend(tiny_torch_backend)
     pool = pool_with(backend, capacity=2)
-    client = PoolModelClient(pool, tok)
+    client = PoolModelClient(pool, tiny_chat_tok)
     other: list[m.Generation] = []
 
     async def generate_other():
@@ -220,40 +207,35 @@ async def test_a_closed_stream_leaks_nothing_and_its_batch_goes_on(torch_backend
     assert again.num_tokens == 3 and pool.answered == 2
 
 
-async def test_stream_generation_adapts_clients_without_stream(torch_backend, tok):
+async def test_stream_generation_adapts_clients_without_stream(tiny_torch_backend, tiny_chat_tok):
     class GenerateOnly:
-        tokenizer = tok
+        tokenizer = tiny_chat_tok
 
         async def generate(self, prompt_ids, p):
-            return await LocalModelClient(torch_backend, tok).generate(prompt_ids, p)
+            return await LocalModelClient(tiny_torch_backend, tiny_chat_tok).generate(prompt_ids, p)
 
     with trio.fail_after(60):
         items = [x async for x in stream_generation(GenerateOnly(), PROMPT, params(4))]
         assert len(items) == 1 and items[0].num_tokens == 4
-        *chunks, gen = [x async for x in stream_generation(LocalModelClient(torch_backend, tok), PROMPT, params(4))]
+        *chunks, gen = [x async for x in stream_generation(LocalModelClient(tiny_torch_backend, tiny_chat_tok), PROMPT, params(4))]
     assert joined(chunks) == gen.token_ids.to_numpy().tolist()
 
 
 # --------------------------------------------------------------------------- a remote sampler
 
 
-async def test_remote_sampler_streams_over_its_websocket(torch_backend, tok):
-    backend = GatedBackend(torch_backend)
+async def test_remote_sampler_streams_over_its_websocket(tiny_torch_backend, tiny_chat_tok):
+    backend = GatedBackend(tiny_torch_backend)
     pool = SamplerPool()
-    mounts = MountTable()
-    mounts.add("/fleet", fleet_app(pool, token="t0k", run_id="run-s", heartbeat_s=0.5), auth=False, owner="pool")
-    stop = trio.Event()
     with trio.fail_after(120):
         async with trio.open_nursery() as n:
-            host, port = await n.start(lambda task_status: serve_control(
-                build_app(_Plane(), "control-token", mounts), "127.0.0.1", 0,
-                shutdown_trigger=stop.wait, task_status=task_status))
-            cfg = RemoteClientConfig(join_url=f"ws://{host}:{port}/fleet/join", token="t0k", name="box")
+            url, stop = await _serve(n, pool, heartbeat_s=0.5)
+            cfg = RemoteClientConfig(join_url=url, token=TOKEN, name="box")
             n.start_soon(lambda: serve_once(cfg, backend))
             while not pool.handles:
                 await trio.sleep(0.02)
             [sid] = pool.handles
-            client = PoolModelClient(pool, tok).for_attempt("g/1.0")
+            client = PoolModelClient(pool, tiny_chat_tok).for_attempt("g/1.0")
             chunks, gen = await read_gated(client, backend, PROMPT, params(8))
             *more, cut = [x async for x in client.stream(PROMPT, params(8, stop_ids=[int(gen.token_ids.to_numpy()[0])]))]
             plain = await client.generate(PROMPT, params(8))

@@ -125,3 +125,43 @@ def test_recipe_checks_plain_steps():
         WarmRecipe(tasks="tool_lookup", plain_steps=10, warmup=WarmupConfig(steps=10))
     with pytest.raises(ValueError, match="tool_lookup"):
         WarmRecipe(plain_steps=1)
+
+
+def test_lookup_share_mixes_guessed_answers_in_deterministically(hermes):
+    """With ``lookup_share`` < 1 a share of the conversations answer at once with a
+    guessed code (one target letter and its EOS, no tool call), chosen by task id."""
+    from fleetrl.actors.recipe.tool_warmup import guess_messages, looks_up, tool_training_batches
+    from fleetrl.actors.recipe.warmup import WarmupConfig
+    from fleetrl.harness.synthetic_tools import CODE_LETTERS, generate_tool_tasks
+
+    tasks = generate_tool_tasks(400, split="train", seed=0)
+    share = sum(looks_up(t, 0.4) for t in tasks) / len(tasks)
+    assert 0.3 < share < 0.5
+    assert all(looks_up(t, 1.0) for t in tasks)
+    assert [looks_up(t, 0.4) for t in tasks] == [looks_up(t, 0.4) for t in tasks]  # pure
+    guess = guess_messages(tasks[0])
+    assert [m["role"] for m in guess] == ["user", "assistant"] and guess[1]["content"] in CODE_LETTERS
+
+    batch = next(tool_training_batches(WarmupConfig(steps=2, batch_size=16), hermes, lookup_share=0.4))
+    targets = [_text(hermes, row[row != IGNORE].tolist()) for row in batch.labels_BT]
+    for task, text in zip(tasks[:16], targets, strict=True):
+        if looks_up(task, 0.4):
+            assert text.startswith("<tool_call>") and text.endswith(f"{task.metadata['code']}<eos>")
+        else:
+            assert text == f"{guess_messages(task)[1]['content']}<eos>"
+    assert any(t.startswith("<tool_call>") for t in targets) and not all(t.startswith("<tool_call>") for t in targets)
+    with pytest.raises(ValueError, match="lookup_share"):
+        next(tool_training_batches(WarmupConfig(steps=2, batch_size=2), hermes, lookup_share=0.0))
+
+
+def test_recipe_checks_lookup_share():
+    from fleetrl.actors.recipe import WarmRecipe, WarmupConfig
+
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="lookup_share"):
+            WarmRecipe(tasks="tool_lookup", plain_steps=1, warmup=WarmupConfig(steps=10), lookup_share=bad)
+    with pytest.raises(ValueError, match="tool_lookup"):
+        WarmRecipe(lookup_share=0.5)
+    a = WarmRecipe(tasks="tool_lookup", plain_steps=1, warmup=WarmupConfig(steps=10))
+    b = WarmRecipe(tasks="tool_lookup", plain_steps=1, warmup=WarmupConfig(steps=10), lookup_share=0.5)
+    assert recipe_key(a, task_family="x") != recipe_key(b, task_family="x")
