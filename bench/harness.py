@@ -43,6 +43,9 @@ hypercorn's Trio worker, in this process. Two measurements:
    (/proc/stat), tokens per attempt, mean reward, and the ratio; and the wall time of
    the script's interpreter starting and importing ``openai`` alone (median of three),
    which every external attempt pays.
+   A third path runs the same script forked from a fork server that imported
+   ``openai`` once (``ExternalCommand.preload``; fleetrl.harness.forkserver): its
+   attempts/s against the script started afresh is the preload's speed-up.
 
 Then a table with the ratios, and one JSON line last.
 """
@@ -270,6 +273,10 @@ async def attempts_per_s(client: LocalModelClient, registry: AttemptRegistry, ba
     external = ExternalHarness(ExternalCommand(argv=(sys.executable, str(script), str(args.max_tokens)),
                                                timeout_s=120), registry=registry, base_url=base,
                                model_name=MODEL_NAME)
+    # the same script forked from a server that imported openai once (ExternalCommand.preload)
+    preloaded = ExternalHarness(ExternalCommand(argv=(sys.executable, str(script), str(args.max_tokens)),
+                                                timeout_s=120, preload=("openai",)), registry=registry,
+                                base_url=base, model_name=MODEL_NAME)
     owner = f"bench-harness-{os.getpid()}"
     c = args.concurrency
     policy = WarmPolicy(min_warm=0, max_warm=c, max_containers=c + 4)
@@ -278,8 +285,9 @@ async def attempts_per_s(client: LocalModelClient, registry: AttemptRegistry, ba
     async with open_sandbox_pool(Ownership.for_state_dir(workdir / "state", owner=owner), policy=policy) as pool:
         for image in images:
             await pool.prewarm(image, n=c)
+        paths = (("builtin", builtin, client), ("external", external, None), ("preloaded", preloaded, None))
         for r in range(args.rounds):
-            for name, harness, model in (("builtin", builtin, client), ("external", external, None)):
+            for name, harness, model in paths:
                 res = await run_path(pool, harness, model, tasks, args.attempts, c)
                 print(f"round {r + 1} {name:8s}: {res['attempts_per_s']:7.2f} attempts/s  wall {res['wall_s']:6.2f} s"
                       f"  machine cpu/attempt {res['machine_cpu_ms_per_attempt']:7.1f} ms  tokens/attempt "
@@ -289,12 +297,15 @@ async def attempts_per_s(client: LocalModelClient, registry: AttemptRegistry, ba
                     print(f"    {e}", flush=True)
                 if name not in best or res["wall_s"] < best[name]["wall_s"]:
                     best[name] = res
-    b, e = best["builtin"], best["external"]
+    await preloaded.aclose()
+    b, e, p = best["builtin"], best["external"], best["preloaded"]
     startup = await script_startup_s()
     print(f"the script's Python start-up with `import openai` alone: {startup * 1e3:.0f} ms (median of 3)", flush=True)
     return {"attempts": args.attempts, "script_startup_ms": round(startup * 1e3, 1), "tasks": [t.id for t in tasks],
-            "concurrency": c, "rounds": args.rounds, "builtin": b, "external": e,
-            "ratio": round(e["attempts_per_s"] / b["attempts_per_s"], 3), "sandbox_owner": owner}
+            "concurrency": c, "rounds": args.rounds, "builtin": b, "external": e, "preloaded": p,
+            "ratio": round(e["attempts_per_s"] / b["attempts_per_s"], 3),
+            "preloaded_ratio": round(p["attempts_per_s"] / b["attempts_per_s"], 3),
+            "preload_speedup": round(p["attempts_per_s"] / e["attempts_per_s"], 3), "sandbox_owner": owner}
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -358,6 +369,12 @@ async def main(args: argparse.Namespace) -> dict:
               f"{e['machine_cpu_ms_per_attempt']:12.1f} "
               f"{e['machine_cpu_ms_per_attempt'] / max(b['machine_cpu_ms_per_attempt'], 1e-9):13.2f}x")
         print(f"{'mean reward':34s} {b['mean_reward']:12.2f} {e['mean_reward']:12.2f}")
+        p = attempts["preloaded"]
+        print(f"{'attempts/s, external preloaded':34s} {e['attempts_per_s']:12.2f} {p['attempts_per_s']:12.2f} "
+              f"{attempts['preload_speedup']:13.2f}x   (baseline here: the external script started afresh)")
+        print(f"{'  machine CPU per attempt (ms)':34s} {e['machine_cpu_ms_per_attempt']:12.1f} "
+              f"{p['machine_cpu_ms_per_attempt']:12.1f} "
+              f"{p['machine_cpu_ms_per_attempt'] / max(e['machine_cpu_ms_per_attempt'], 1e-9):13.2f}x")
     print("baseline: direct generate / built-in CompletionHarness; ours: the endpoint with the openai client / "
           "an external script through the endpoint")
     return {"bench": "harness", "model": args.model, "hidden": spec.hidden_size, "layers": spec.num_layers,

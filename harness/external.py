@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from .attempts import AttemptRegistry
+from .forkserver import ForkServer, preload_argv
 from .model import ModelClient
 from .processes import run_command
 from .protocol import Episode, FinalState, SandboxLike, Turn, evaluate_in_sandbox, prepare_sandbox
@@ -92,7 +93,10 @@ class ExternalCommand(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     working directory (None: a fresh temporary directory, removed afterwards).
     ``timeout_s``: wall-clock limit (None: ``task.limits.timeout_s``).
     ``kill_grace_s``: time between SIGTERM and SIGKILL. ``output_cap_bytes``: bytes of
-    stdout and of stderr kept (the tail).
+    stdout and of stderr kept (the tail). ``preload``: Python modules to import once in
+    a fork server (`forkserver.ForkServer`) from which every attempt's program is forked
+    instead of started afresh; ``argv`` is then ``[python, script, ...]`` or ``[python,
+    -m, module, ...]`` (empty: every attempt starts a new process).
     """
 
     argv: tuple[str, ...]
@@ -103,6 +107,7 @@ class ExternalCommand(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     timeout_s: float | None = None
     kill_grace_s: float = 2.0
     output_cap_bytes: int = 64 << 10
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0]:
@@ -123,6 +128,18 @@ class ExternalCommand(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError(f"ExternalCommand.kill_grace_s must be >= 0 seconds, got {self.kill_grace_s}")
         if self.output_cap_bytes < 0:
             raise ValueError(f"ExternalCommand.output_cap_bytes must be >= 0, got {self.output_cap_bytes}")
+        for i, name in enumerate(self.preload):
+            if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+                raise ValueError(f"ExternalCommand.preload[{i}] must be a module name like 'openai' or "
+                                 f"'litellm.utils', got {name!r}")
+        if self.preload:
+            try:
+                preload_argv(self.argv)
+            except ValueError as err:
+                raise ValueError(f"ExternalCommand.argv: {err}") from None
+            if "{" in self.argv[0]:
+                raise ValueError("ExternalCommand.argv[0] (the interpreter of the preload fork server) cannot "
+                                 "hold a placeholder")
 
 
     def relative_to(self, base: str) -> ExternalCommand:
@@ -226,11 +243,23 @@ class ExternalHarness:
         base = base_url.rstrip("/")
         self.base_url = base if base.endswith("/v1") else base + "/v1"
         self.model_name = model_name
+        self.forkserver = (ForkServer(command.argv[0], command.preload, self._base_environment())
+                           if command.preload else None)
+
+    def _base_environment(self) -> dict[str, str]:
+        """The command's environment without the attempt's variables (the fork server's)."""
+        env = {k: os.environ[k] for k in self.command.inherit_env if k in os.environ}
+        env.update(self.command.env)
+        return env
+
+    async def aclose(self) -> None:
+        """Stop the fork server, if any (the environment worker calls it as it ends)."""
+        if self.forkserver is not None:
+            await self.forkserver.aclose()
 
     def _environment(self, task: Task, sandbox: SandboxLike, key: str, attempt_id: str, task_file: str,
                      prompt_file: str) -> dict[str, str]:
-        env = {k: os.environ[k] for k in self.command.inherit_env if k in os.environ}
-        env.update(self.command.env)
+        env = self._base_environment()
         container = getattr(sandbox, "id", None)
         limits = getattr(sandbox, "limits", None)
         env.update({
@@ -275,7 +304,8 @@ class ExternalHarness:
                 argv = expand_argv(self.command.argv, values)
                 cwd = self.command.cwd or tmp
                 outcome = await run_command(argv, env=env, cwd=cwd, timeout_s=timeout,
-                                             grace_s=self.command.kill_grace_s, cap=self.command.output_cap_bytes)
+                                             grace_s=self.command.kill_grace_s, cap=self.command.output_cap_bytes,
+                                             forkserver=self.forkserver)
             if outcome.timed_out and getattr(sandbox, "id", None):
                 # what the harness started in the sandbox must not change the state the evaluator sees
                 await sandbox.exec(["/bin/sh", "-c", _QUIESCE], timeout=30)

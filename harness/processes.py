@@ -6,7 +6,8 @@ timeout or when the caller is cancelled, stops every process of its tree with
 `kill_process_tree`: SIGTERM, a grace period, then SIGSTOP until the tree stops
 growing (a fork cannot outrun a frozen parent), then SIGKILL; even processes that left
 the group with ``setsid`` are found, through the parent links of ``/proc``
-(`read_parent_map`, `process_tree`). `ExternalHarness` runs its command with it.
+(`read_parent_map`, `process_tree`). `ExternalHarness` runs its command with it, started
+afresh or forked from a preloading `forkserver.ForkServer`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 import trio
+
+from .forkserver import ForkedProcess, ForkServer, ForkServerFailed
 
 __all__ = ["CommandOutcome", "kill_process_tree", "process_tree", "read_parent_map", "run_command", "tail_bytes"]
 
@@ -146,18 +149,49 @@ class CommandOutcome(msgspec.Struct, kw_only=True):
 
 
 async def run_command(argv: list[str], *, env: dict[str, str], cwd: str, timeout_s: float, grace_s: float,
-                       cap: int) -> CommandOutcome:
-    """Run ``argv`` in a new session; kill its tree on timeout or cancellation."""
+                       cap: int, forkserver: ForkServer | None = None) -> CommandOutcome:
+    """Run ``argv`` in a new session; kill its tree on timeout or cancellation. With a
+    ``forkserver`` (`forkserver.ForkServer`), ``argv`` is ``[python, program...]`` and
+    the program is forked from the server (its preloaded modules already imported)
+    instead of started afresh; everything else is the same."""
     out = CommandOutcome()
     start = trio.current_time()
+    if forkserver is None:
+        try:
+            proc = await trio.lowlevel.open_process(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                    start_new_session=True)
+        except OSError as err:
+            raise ValueError(f"ExternalHarness: cannot start {argv[0]!r}: {err}") from err
+        assert proc.stdout is not None and proc.stderr is not None
+        return await _supervise(proc, proc.stdout, proc.stderr, out, start, timeout_s=timeout_s, grace_s=grace_s,
+                                cap=cap)
+    pipes = [os.pipe(), os.pipe()]
+    devnull = os.open(os.devnull, os.O_RDONLY)
     try:
-        proc = await trio.lowlevel.open_process(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                start_new_session=True)
-    except OSError as err:
-        raise ValueError(f"ExternalHarness: cannot start {argv[0]!r}: {err}") from err
-    assert proc.stdout is not None and proc.stderr is not None
+        child = await forkserver.spawn(argv[1:], env=env, cwd=cwd, stdio=(devnull, pipes[0][1], pipes[1][1]))
+    except BaseException:
+        for fd in (pipes[0][0], pipes[1][0]):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (devnull, pipes[0][1], pipes[1][1]):
+            os.close(fd)
+    try:
+        return await _supervise(child, trio.lowlevel.FdStream(pipes[0][0]), trio.lowlevel.FdStream(pipes[1][0]),
+                                out, start, timeout_s=timeout_s, grace_s=grace_s, cap=cap)
+    finally:
+        child.close()
+
+
+async def _supervise(proc: trio.Process | ForkedProcess, stdout: trio.abc.ReceiveStream,
+                     stderr: trio.abc.ReceiveStream, out: CommandOutcome, start: float, *, timeout_s: float,
+                     grace_s: float, cap: int) -> CommandOutcome:
+    """Wait for ``proc`` (the leader of its own session) at most ``timeout_s``, keeping
+    the tails of its output; stop its tree on timeout, when it exits (what it left
+    running) and when the caller is cancelled."""
     drained = [trio.Event(), trio.Event()]
+    lost: ForkServerFailed | None = None
 
     async def drain(stream: trio.abc.ReceiveStream, buf: bytearray, done: trio.Event) -> None:
         try:
@@ -168,15 +202,23 @@ async def run_command(argv: list[str], *, env: dict[str, str], cwd: str, timeout
 
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(drain, proc.stdout, out.stdout, drained[0])
-            nursery.start_soon(drain, proc.stderr, out.stderr, drained[1])
+            nursery.start_soon(drain, stdout, out.stdout, drained[0])
+            nursery.start_soon(drain, stderr, out.stderr, drained[1])
             with trio.move_on_after(timeout_s) as scope:
-                await proc.wait()
-            if scope.cancelled_caught:
+                try:
+                    await proc.wait()
+                except ForkServerFailed as err:  # the exit status is lost: stop the tree, then say so
+                    lost = err
+            if lost is not None:
+                out.killed = await kill_process_tree(proc.pid, proc.pid, grace_s=grace_s)
+            elif scope.cancelled_caught:
                 out.timed_out = True
                 out.killed = await kill_process_tree(proc.pid, proc.pid, grace_s=grace_s)
                 with trio.CancelScope(shield=True):
-                    await proc.wait()
+                    try:
+                        await proc.wait()
+                    except ForkServerFailed:
+                        pass
             else:
                 out.exit_code = proc.returncode
                 # the command exited; whatever it left running in its session goes too
@@ -188,12 +230,17 @@ async def run_command(argv: list[str], *, env: dict[str, str], cwd: str, timeout
     except BaseException:
         if proc.returncode is None:
             await kill_process_tree(proc.pid, proc.pid, grace_s=grace_s)
-            with trio.CancelScope(shield=True):
-                await proc.wait()
+            with trio.CancelScope(shield=True), trio.move_on_after(30):
+                try:
+                    await proc.wait()
+                except ForkServerFailed:  # the server died too: its exit status is gone with it
+                    pass
         raise
     finally:
         with trio.CancelScope(shield=True):
-            await proc.stdout.aclose()
-            await proc.stderr.aclose()
+            await stdout.aclose()
+            await stderr.aclose()
+    if lost is not None:
+        raise lost
     out.duration_s = trio.current_time() - start
     return out

@@ -97,10 +97,14 @@ async def run(cfg: EnvWorkerConfig, ctx: ActorContext, *,
     ownership = Ownership.for_state_dir(ctx.daemon_dir, owner=ctx.instance_id, run=ctx.run_id)
     s = cfg.sandbox
     policy = WarmPolicy(min_warm=s.min_warm, max_warm=s.max_warm, max_containers=s.max_containers)
-    async with open_sandbox_pool(ownership, policy=policy) as pool:
-        worker = _Worker(cfg, ctx, harness=harness, model=model, pool=pool, out=out,
-                         failures_out=failures_out, cursor=cursor, paced_by=paced_by)
-        ctx.log.info("environment worker ready", tasks=source.describe, floor=cursor.floor,
-                     group_size=cfg.group_size, max_concurrent_attempts=cfg.max_concurrent_attempts)
-        task_status.started(worker)
-        await worker.run(source)
+    try:
+        async with open_sandbox_pool(ownership, policy=policy) as pool:
+            worker = _Worker(cfg, ctx, harness=harness, model=model, pool=pool, out=out,
+                             failures_out=failures_out, cursor=cursor, paced_by=paced_by)
+            ctx.log.info("environment worker ready", tasks=source.describe, floor=cursor.floor,
+                         group_size=cfg.group_size, max_concurrent_attempts=cfg.max_concurrent_attempts)
+            task_status.started(worker)
+            await worker.run(source)
+    finally:
+        if isinstance(harness, ExternalHarness):
+            await harness.aclose()  # its fork server, if it has one

@@ -15,17 +15,22 @@ the sampler pool; the groups go to the trainer. Checked:
   generation prompt, never a tool turn;
 * each call's tokens carry the weight version that sampled them, within the staleness
   bound;
-* the evaluator measures sampled pass@1 on fresh tool tasks (the same tasks and seeds)
-  at the start and at the end, and the report is written.
+* the evaluator measures sampled pass@1 on 400 fresh tool tasks (never a training
+  question; the same tasks and seeds) at the start and at the end: the end beats the
+  start by a paired one-sided test at the 5% level, and the report is written.
 
-Not checked here (issue 18 is open on it): that pass@1 rises. In the runs of
-2026-12-02 the policy lost the tool-call syntax after 1 to 17 steps (lr 2e-4 and 5e-4:
-every answer a parse failure, so every group zero-variance), which a paired margin at
-the end would not survive; see the issue's notes. So this run is one step long.
+The warm model calls its tool in about 40% of its attempts and guesses otherwise (fresh
+pass@1 about 5%: `TOOL_RECIPE`); the RL phase makes the tool call the habit. In the run
+of 2026-12-02 (docs/results/agent-tools.md) 18 steps took fresh pass@1 on 200 tasks from
+5.5% to 12.5% (paired z = 2.5); 24 steps on 400 tasks gave 6.0% -> 11.0% (z = 2.69), 36
+steps 6.0% -> 13.5% (z = 3.75), so the test runs 36 steps and scores 400 tasks (the z of
+a fixed gain grows with the square root of the task count). The harness is forked from
+a server that preloaded `openai`, as the shipped config does (~15 s a step, not ~44).
 
 Everything is the shipped config except paths, the step budget, the evaluator's
-schedule and the recorded batches; the tool warm model comes from the cache shared
+size and the recorded batches; the tool warm model comes from the cache shared
 between sessions (tests/e2e/conftest.py; built once, minutes of CPU)."""
+
 
 from __future__ import annotations
 
@@ -40,14 +45,15 @@ from helpers import read_jsonl
 from fleetrl.actors.model.byte_tokenizer import build_byte_tokenizer
 
 from .conftest import containers_of
-from .test_tiny_learns import paired_z
+from .test_tiny_learns import Z_95_ONE_SIDED, paired_z
 from .tiny_config import REPO, derive
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 CONFIG = REPO / "configs" / "agent-tools.toml"
 AGENT = REPO / "examples" / "harnesses" / "tool_agent.py"
-STEPS = 1
+STEPS = 36
+EVAL_N = 400
 RECORDED = 1
 MAX_STALENESS = 2
 
@@ -60,10 +66,10 @@ def _config(state: Path, cache: Path) -> str:
         "actors.warm_start.config": {"cache_dir": f'"{cache}"'},
         # the time budget stays as a safety: a policy that collapses (every group zero-variance)
         # takes no more steps, and the run must still end by itself
-        "actors.trainer.config": {"max_steps": str(STEPS), "time_budget_s": "1800.0", "progress": "false",
+        "actors.trainer.config": {"max_steps": str(STEPS), "time_budget_s": "3000.0", "progress": "false",
                                   "record_batches": str(RECORDED)},
-        "actors.env.config": {"harness_config": f'{{ argv = {argv}, timeout_s = 60 }}'},
-        "actors.evaluator.config": {"progress": "false", "n": "100"},
+        "actors.env.config": {"harness_config": f'{{ argv = {argv}, timeout_s = 60, preload = ["openai"] }}'},
+        "actors.evaluator.config": {"progress": "false", "n": str(EVAL_N)},
     }, text=text)
 
 
@@ -117,8 +123,9 @@ def test_agent_tools_run_trains_through_the_external_harness(tmp_path, warm_cach
 
     evals = read_jsonl(state / "actors" / "evaluator" / "eval.jsonl")
     start, end = evals[0], evals[-1]
-    assert start["version"] == 0 and end["version"] == steps[-1]["version"] and start["n"] == end["n"] == 100
-    assert len(start["rewards"]) == len(end["rewards"]) == 100
+    assert start["version"] == 0 and end["version"] == steps[-1]["version"] and start["n"] == end["n"] == EVAL_N
+    assert len(start["rewards"]) == len(end["rewards"]) == EVAL_N
     z = paired_z(start["rewards"], end["rewards"])
     print(f"agent-tools run: {STEPS} steps in {wall:.0f} s; fresh pass@1 {start['pass_at_1']:.3f} -> "
           f"{end['pass_at_1']:.3f} (paired z = {z:.2f})", file=sys.stderr)
+    assert z > Z_95_ONE_SIDED, (start["pass_at_1"], end["pass_at_1"], z)

@@ -31,13 +31,13 @@ def test_harness_bench_runs_small(docker_client, image):
     assert calls["direct_median_ms"] > 0 and calls["endpoint_median_ms"] > 0 and calls["ratio"] > 0
 
     att = result["attempts"]
-    for path in ("builtin", "external"):
+    for path in ("builtin", "external", "preloaded"):
         r = att[path]
         assert (r["submitted"], r["failed"]) == (4, 0), r["errors"]
         assert r["tokens_per_attempt"] > 0
         assert r["reward_by_task"]["written"] == 1.0  # the harness wrote its file in the sandbox
-    assert att["ratio"] > 0
-    assert "attempts/s" in out and "overhead per call" in out
+    assert att["ratio"] > 0 and att["preloaded_ratio"] > 0 and att["preload_speedup"] > 0
+    assert "attempts/s" in out and "external preloaded" in out and "overhead per call" in out
     # the bench's pool removed every container it started
     from fleetrl.sandboxes.sweep import LABEL_OWNER
 
