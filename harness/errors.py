@@ -14,10 +14,12 @@ Who broke what:
 * `ModelUnavailable`: the model (the sampler pool) could not answer.
 * `ApiError`: the OpenAI-compatible endpoint refuses or fails a request; it carries
   the HTTP status and OpenAI's error fields.
+* `ForkServerFailed`: the preloading fork server of a Python harness
+  (`forkserver.ForkServer`) could not start, refused a run or died during one.
 * `ProgramError`: a program shipped in ``harness/programs/`` lacks what fleetrl fills
   in (a packaging or editing mistake of ours).
 
-The first three keep ``ValueError`` as a second base: callers catch them as that.
+The first three and `ForkServerFailed` keep ``ValueError`` as a second base: callers catch them as that.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "ApiError",
     "EvaluatorOutputError",
     "FieldProblem",
+    "ForkServerFailed",
     "HarnessError",
     "ModelUnavailable",
     "ProgramError",
@@ -122,6 +125,11 @@ class ApiError(HarnessError):
     def body(self) -> dict[str, dict[str, str | None]]:
         """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ForkServerFailed(HarnessError, ValueError):
+    """The fork server of a Python harness could not start, refused a run or died during
+    one (the attempt fails; it is never a reward)."""
 
 
 class ProgramError(HarnessError):

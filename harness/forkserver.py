@@ -36,16 +36,13 @@ from collections.abc import Mapping, Sequence
 
 import trio
 
+from .errors import ForkServerFailed
 from .program_files import program_text
 
 __all__ = ["ForkServer", "ForkServerFailed", "ForkedProcess", "preload_argv"]
 
 MAX_REQUEST = 1 << 20
 """Bytes of one run request (argv, environment, working directory as JSON)."""
-
-
-class ForkServerFailed(ValueError):
-    """The fork server could not start, refused a request or died during a run."""
 
 
 def preload_argv(argv: Sequence[str]) -> tuple[str, list[str]]:

@@ -46,7 +46,7 @@ def sample_prompt() -> str:
 def test_programs_are_package_data_and_import_only_the_standard_library():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     patterns = data["fleetrl.harness"]
-    assert PROGRAMS == ["humaneval_check.py", "synthetic_check.py"]
+    assert PROGRAMS == ["forkserver.py", "humaneval_check.py", "synthetic_check.py"]
     for name in PROGRAMS:
         assert any(fnmatch.fnmatch(f"programs/{name}", p) for p in patterns), name
         assert program_text(name) == (ROOT / "harness" / "programs" / name).read_text()
