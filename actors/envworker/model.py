@@ -129,14 +129,15 @@ class LocalModelClient:
             self._limit.release_on_behalf_of(slot)
             raise
         try:
-            while True:
-                await feed.wake.wait()
-                feed.wake = trio.Event()
+            while True:  # tokens that came in while the reader held a chunk go out before the answer
                 if feed.tokens:
                     ids, feed.tokens = feed.tokens, []
                     yield m.TokenChunk(request_id=request_id, token_ids=ids)
+                    continue
                 if feed.result is not None:
                     break
+                await feed.wake.wait()
+                feed.wake = trio.Event()
         except BaseException:  # cancelled, or the reader closed the stream
             feed.abandoned = True
             raise

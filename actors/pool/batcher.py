@@ -253,14 +253,15 @@ class Batcher:
             self._dispatch_due = True
             self._token.run_sync_soon(self._due)
         try:
-            while True:
-                await job.wake.wait()
-                job.wake = trio.Event()
+            while True:  # tokens that came in while the reader held a chunk go out before the answer
                 if job.tokens:
                     ids, job.tokens = job.tokens, []
                     yield ids  # outside any cancel scope: the reader's code runs here
+                    continue
                 if job.done.is_set():
                     break
+                await job.wake.wait()
+                job.wake = trio.Event()
         except BaseException:  # cancelled, or the reader closed the stream
             if job in self._queue:
                 self._queue.remove(job)

@@ -97,17 +97,18 @@ class RemoteSampler:
                     await self._send(request)
                 except Exception as exc:
                     raise SamplerLost(f"remote {self.sampler_id}: send failed: {exc}") from exc
-                while True:
-                    await pending.wake.wait()
-                    pending.wake = trio.Event()
+                while True:  # tokens that came in while the reader held a chunk go out before the answer
                     if pending.tokens:
                         ids, pending.tokens = pending.tokens, []
                         yield ids
+                        continue
                     if pending.answer is not None:
                         yield pending.answer
                         return
                     if pending.lost:
                         raise SamplerLost(f"remote {self.sampler_id}: {self.lost}")
+                    await pending.wake.wait()
+                    pending.wake = trio.Event()
             finally:
                 if self._pending.get(request.request_id) is pending:
                     del self._pending[request.request_id]

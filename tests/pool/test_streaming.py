@@ -294,3 +294,39 @@ async def test_a_stream_whose_sampler_is_lost_is_not_rerouted(autojump_clock):
     assert failed.retryable and "after streaming 2 tokens" in failed.reason and "connection dropped" in failed.reason
     assert sum(s.calls for s in samplers) == 1 and pool.rerouted == 0 and pool.failed == 1
     assert len(pool.handles) == 1  # the lost sampler is taken out, as for generate
+
+
+# --------------------------------------------------------------------------- tokens that arrive while the reader holds a chunk
+
+
+async def test_remote_handle_sends_tokens_that_came_while_the_reader_held_a_chunk():
+    """The last chunk and the answer may both arrive while the reader is busy with the
+    previous chunk: the chunk still goes out, before the answer (the race behind an
+    intermittent miss of the last token over the websocket)."""
+    from fleetrl.actors.pool.remote_server import RemoteSampler
+
+    sent: list[m.GenerateRequest] = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    handle = RemoteSampler("r", send, capacity=1, heartbeat_timeout_s=60.0)
+    req = m.GenerateRequest(request_id="q", attempt_id="a", prompt_ids=Tensor.from_numpy(np.asarray(PROMPT)),
+                            params=params(3), stream=True)
+    answer = m.GenerateFailed(request_id="q", retryable=False, reason="the answer (its kind does not matter here)")
+    items = []
+    with trio.fail_after(10):
+        async with aclosing(handle.stream(req, lambda: None)) as stream:
+            async def feed():
+                while not sent:
+                    await trio.sleep(0)
+                assert handle.resolve(m.TokenChunk(request_id="q", token_ids=[5, 6]))
+
+            async with trio.open_nursery() as n:
+                n.start_soon(feed)
+                async for item in stream:
+                    items.append(item)
+                    if item == [5, 6]:  # the reader is busy: the rest and the answer come in now
+                        assert handle.resolve(m.TokenChunk(request_id="q", token_ids=[7]))
+                        assert handle.resolve(answer)
+    assert items == [[5, 6], [7], answer]
