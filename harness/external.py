@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from .attempts import AttemptRegistry
-from .forkserver import ForkServer, preload_argv
+from .forkserver import ForkServer, check_preload_argv
 from .model import ModelClient
 from .processes import run_command
 from .protocol import Episode, FinalState, SandboxLike, Turn, evaluate_in_sandbox, prepare_sandbox
@@ -134,7 +134,7 @@ class ExternalCommand(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                                  f"'litellm.utils', got {name!r}")
         if self.preload:
             try:
-                preload_argv(self.argv)
+                check_preload_argv(self.argv)
             except ValueError as err:
                 raise ValueError(f"ExternalCommand.argv: {err}") from None
             if "{" in self.argv[0]:

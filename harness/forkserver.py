@@ -39,22 +39,21 @@ import trio
 from .errors import ForkServerFailed
 from .program_files import program_text
 
-__all__ = ["ForkServer", "ForkServerFailed", "ForkedProcess", "preload_argv"]
+__all__ = ["ForkServer", "ForkServerFailed", "ForkedProcess", "check_preload_argv"]
 
 MAX_REQUEST = 1 << 20
 """Bytes of one run request (argv, environment, working directory as JSON)."""
 
 
-def preload_argv(argv: Sequence[str]) -> tuple[str, list[str]]:
-    """``(interpreter, program)`` of a command the fork server can run: ``[python,
-    script, args...]`` or ``[python, -m, module, args...]``; anything else (an
-    interpreter option, no script) is a `ValueError` naming what to write instead."""
+def check_preload_argv(argv: Sequence[str]) -> None:
+    """A command the fork server can run is ``[python, script, args...]`` or ``[python,
+    -m, module, args...]``; anything else (an interpreter option, no script) is a
+    `ValueError` naming what to write instead."""
     if len(argv) < 2 or (argv[1] == "-m" and len(argv) < 3):
         raise ValueError(f"preload needs argv = [python, script.py, ...] or [python, -m, module, ...], "
                          f"got {list(argv)!r}")
     if argv[1].startswith("-") and argv[1] != "-m":
         raise ValueError(f"preload runs a script or a module (-m), not interpreter options: argv[1] is {argv[1]!r}")
-    return argv[0], list(argv[1:])
 
 
 class ForkedProcess:

@@ -154,7 +154,6 @@ async def run_command(argv: list[str], *, env: dict[str, str], cwd: str, timeout
     ``forkserver`` (`forkserver.ForkServer`), ``argv`` is ``[python, program...]`` and
     the program is forked from the server (its preloaded modules already imported)
     instead of started afresh; everything else is the same."""
-    out = CommandOutcome()
     start = trio.current_time()
     if forkserver is None:
         try:
@@ -164,8 +163,7 @@ async def run_command(argv: list[str], *, env: dict[str, str], cwd: str, timeout
         except OSError as err:
             raise ValueError(f"ExternalHarness: cannot start {argv[0]!r}: {err}") from err
         assert proc.stdout is not None and proc.stderr is not None
-        return await _supervise(proc, proc.stdout, proc.stderr, out, start, timeout_s=timeout_s, grace_s=grace_s,
-                                cap=cap)
+        return await _supervise(proc, proc.stdout, proc.stderr, start, timeout_s=timeout_s, grace_s=grace_s, cap=cap)
     pipes = [os.pipe(), os.pipe()]
     devnull = os.open(os.devnull, os.O_RDONLY)
     try:
@@ -179,17 +177,18 @@ async def run_command(argv: list[str], *, env: dict[str, str], cwd: str, timeout
             os.close(fd)
     try:
         return await _supervise(child, trio.lowlevel.FdStream(pipes[0][0]), trio.lowlevel.FdStream(pipes[1][0]),
-                                out, start, timeout_s=timeout_s, grace_s=grace_s, cap=cap)
+                                start, timeout_s=timeout_s, grace_s=grace_s, cap=cap)
     finally:
         child.close()
 
 
 async def _supervise(proc: trio.Process | ForkedProcess, stdout: trio.abc.ReceiveStream,
-                     stderr: trio.abc.ReceiveStream, out: CommandOutcome, start: float, *, timeout_s: float,
-                     grace_s: float, cap: int) -> CommandOutcome:
+                     stderr: trio.abc.ReceiveStream, start: float, *, timeout_s: float, grace_s: float,
+                     cap: int) -> CommandOutcome:
     """Wait for ``proc`` (the leader of its own session) at most ``timeout_s``, keeping
     the tails of its output; stop its tree on timeout, when it exits (what it left
-    running) and when the caller is cancelled."""
+    running) and when the caller is cancelled; ``start`` is when the command was started."""
+    out = CommandOutcome()
     drained = [trio.Event(), trio.Event()]
     lost: ForkServerFailed | None = None
 
