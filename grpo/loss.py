@@ -28,11 +28,22 @@ Where this departs from the papers, on purpose:
 * No PPO ratio clipping and no KL penalty: fleetrl takes one optimiser step per batch,
   so ``p`` is the behaviour-corrected current policy, not an old-policy copy.
 * The logits must already be divided by the sampling temperature.
+
+Micro-batches and data-parallel ranks: with ``reduction="sum"`` the loss is the
+*numerator* of the normalised mean, ``sum_{kept (b,t)} l_bt`` for token normalisation or
+``sum_b mean_t l_bt`` over sequences with a kept token for sequence normalisation, and the
+denominator is in the metrics (``tokens_counted`` or ``sequences_counted``). Both are sums
+over rows, so for any split of the rows into parts (a sequence never split)
+``sum(numerators) / sum(denominators)`` is the mean over the whole batch, in value and in
+gradient. The other metrics come with the sums and counts they are means of
+(``tokens_in_loss``, ``tokens_masked``, ``sequences_in_loss``, ``sequences_masked``,
+``log_ratio_sum``, ``weight_sum``, ``centering_norm_sum``), so they combine exactly too.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -41,6 +52,8 @@ from .config import CorrectionConfig
 from .errors import BadLossInput
 from .support import _check_support_ids, _support_logsumexp, _upcast
 from .weights import log_weights, sequence_keep
+
+Reduction = Literal["mean", "sum"]
 
 __all__ = ["policy_loss", "centering_gradient_logits"]
 
@@ -179,6 +192,8 @@ def policy_loss(
     advantages: Tensor,
     loss_mask: Tensor,
     config: CorrectionConfig,
+    *,
+    reduction: Reduction = "mean",
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss (to minimise) with IS weights, masks, support replay and centering.
 
@@ -192,10 +207,20 @@ def policy_loss(
     Returns ``(loss, metrics)``: a scalar tensor and a flat dict of floats
     (log_ratio_mean/min/max over loss-mask tokens, frac_masked_tokens,
     frac_masked_sequences, mismatch_kl_k3, centering_norm, weight_mean,
-    tokens_counted, sequences_counted, loss). Raises :class:`BadLossInput` on tensors
+    tokens_counted, sequences_counted, loss, and the sums and counts behind the means:
+    tokens_in_loss, tokens_masked, sequences_in_loss, sequences_masked, log_ratio_sum,
+    weight_sum, centering_norm_sum). Raises :class:`BadLossInput` on tensors
     that break this contract at loss-mask positions; positions outside the loss mask
     may hold anything (padding).
+
+    ``reduction="mean"`` (default) returns the normalised loss; ``"sum"`` returns its
+    numerator, whose normaliser is ``metrics["tokens_counted"]`` (token normalisation) or
+    ``metrics["sequences_counted"]`` (sequence normalisation); ``metrics["loss"]`` is then
+    the sum too. Summing numerators and normalisers over any row split of a batch and
+    dividing gives the whole batch's mean (module docstring).
     """
+    if reduction not in ("mean", "sum"):
+        raise BadLossInput(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     _validate(logits, tokens, sampler_logprobs, support_ids, support_logprobs, advantages, loss_mask, config)
     B, T, V = logits.shape
     m = loss_mask
@@ -234,7 +259,7 @@ def policy_loss(
     term = w_a * lp_a
 
     # --- score centering: exact expected weighted score under q^S
-    centering_norm = 0.0
+    centering_norm_sum = 0.0
     if config.centering:
         assert support_logprobs is not None  # _validate guarantees it
         member = keep.unsqueeze(-1) if valid is None else (valid & keep.unsqueeze(-1))
@@ -248,52 +273,67 @@ def policy_loss(
         centred = (c * lpS).sum(-1)
         # value exactly zero, gradient sum_v c_v grad log p^S_v (see module docstring)
         term = term - (centred - centred.detach())
-        centering_norm = _centering_norm(c, lpS.detach().masked_fill(~member, -math.inf), keep)
+        centering_norm_sum = _centering_norm_sum(c, lpS.detach().masked_fill(~member, -math.inf), keep)
 
     A = advantages.detach().to(cd).unsqueeze(-1)
     per_tok = torch.where(keep, -A * term, zero)
     n_b = keep.sum(-1)
     if config.normalization == "token":
-        loss = per_tok.sum() / n_b.sum().clamp(min=1)
+        loss = per_tok.sum()
+        if reduction == "mean":
+            loss = loss / n_b.sum().clamp(min=1)
     else:
         has = n_b > 0
         seq = per_tok.sum(-1) / n_b.clamp(min=1)
-        loss = seq.sum() / has.sum().clamp(min=1)
+        loss = seq.sum()
+        if reduction == "mean":
+            loss = loss / has.sum().clamp(min=1)
 
-    metrics = _metrics(log_ratio, m, keep, keep_seq, w_a, centering_norm, loss)
+    metrics = _metrics(log_ratio, m, keep, keep_seq, w_a, centering_norm_sum, loss)
     return loss, metrics
 
 
 @torch.no_grad()
-def _centering_norm(c: Tensor, logp: Tensor, keep: Tensor) -> float:
-    """Mean over kept positions of ||c - (sum c) p^S||_2, the centering gradient per unit A."""
-    n_keep = int(keep.sum())
-    if not n_keep:
+def _centering_norm_sum(c: Tensor, logp: Tensor, keep: Tensor) -> float:
+    """Sum over kept positions of ||c - (sum c) p^S||_2, the centering gradient per unit A."""
+    if not bool(keep.any()):
         return 0.0
     c_k, logp_k = c[keep], logp[keep]
-    return float(centering_gradient_logits(c_k, logp_k).norm(dim=-1).sum() / n_keep)
+    return float(centering_gradient_logits(c_k, logp_k).norm(dim=-1).sum())
 
 
 @torch.no_grad()
 def _metrics(
-    log_ratio: Tensor, m: Tensor, keep: Tensor, keep_seq: Tensor, w_a: Tensor, centering_norm: float, loss: Tensor
+    log_ratio: Tensor, m: Tensor, keep: Tensor, keep_seq: Tensor, w_a: Tensor, centering_norm_sum: float,
+    loss: Tensor
 ) -> dict[str, float]:
     n_loss = int(m.sum())
     lr = log_ratio[m].double()
     seqs = m.any(-1)
     n_seq = int(seqs.sum())
     n_keep = int(keep.sum())
+    n_tok_masked = int((m & ~keep).sum())
+    n_seq_masked = int((seqs & ~keep_seq).sum())
+    weight_sum = float(w_a[keep].double().sum()) if n_keep else 0.0
     return {
         "log_ratio_mean": float(lr.mean()) if n_loss else 0.0,
         "log_ratio_min": float(lr.min()) if n_loss else 0.0,
         "log_ratio_max": float(lr.max()) if n_loss else 0.0,
-        "frac_masked_tokens": float((m & ~keep).sum()) / n_loss if n_loss else 0.0,
-        "frac_masked_sequences": float((seqs & ~keep_seq).sum()) / n_seq if n_seq else 0.0,
+        "frac_masked_tokens": n_tok_masked / n_loss if n_loss else 0.0,
+        "frac_masked_sequences": n_seq_masked / n_seq if n_seq else 0.0,
         # k3 estimator of KL(q || p) from samples of q (Schulman, "Approximating KL divergence")
         "mismatch_kl_k3": float((lr.exp() - 1 - lr).mean()) if n_loss else 0.0,
-        "centering_norm": centering_norm,
-        "weight_mean": float(w_a[keep].double().mean()) if n_keep else 0.0,
+        "centering_norm": centering_norm_sum / n_keep if n_keep else 0.0,
+        "weight_mean": weight_sum / n_keep if n_keep else 0.0,
         "tokens_counted": float(n_keep),
         "sequences_counted": float(int(keep.any(-1).sum())),
         "loss": float(loss.detach()),
+        # the sums and counts behind the means, to combine micro-batches and ranks exactly
+        "tokens_in_loss": float(n_loss),
+        "tokens_masked": float(n_tok_masked),
+        "sequences_in_loss": float(n_seq),
+        "sequences_masked": float(n_seq_masked),
+        "log_ratio_sum": float(lr.sum()) if n_loss else 0.0,
+        "weight_sum": weight_sum,
+        "centering_norm_sum": centering_norm_sum,
     }

@@ -13,4 +13,5 @@ class ModelError(Exception):
 
 
 class ModelDirError(ModelError, ValueError):
-    """A model directory is missing, incomplete, or holds something other than a Llama."""
+    """A model directory is missing, incomplete, or holds an architecture fleetrl does not
+    support (the message names its `architectures` entry and the config file)."""

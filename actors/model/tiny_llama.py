@@ -3,7 +3,9 @@
 The model is a standard Hugging Face `LlamaForCausalLM` (RMSNorm, rotary embeddings,
 SwiGLU MLP, optional grouped-query attention) over the byte-level vocabulary of
 `byte_tokenizer`, saved with `save_pretrained` (safetensors) next to its tokenizer, so
-the same directory loads in transformers, in vLLM and in our own torch backend.
+the same directory loads in transformers, in vLLM and in our own torch backend. The
+other families' tiny models are built in `tiny_models`; `read_state_dict` and
+`load_master_weights` (any family) live in `loading` and are re-exported here.
 Defaults follow the prototype measured for the embedded recipe (hidden 192, 4 layers,
 about 1.9M parameters; 3 heads of size 64 so vLLM's CPU build can load it); the context is 4096 byte tokens because agent prompts run to
 about 3,000 characters.
@@ -18,12 +20,26 @@ from pathlib import Path
 
 import msgspec
 import torch
-from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from fleetrl.actors.model.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
 
 from .errors import ModelDirError
+from .families import read_model_config
+from .loading import load_master_weights, read_state_dict
+
+__all__ = [
+    "ModelDirError",
+    "TinyLlamaSpec",
+    "build_tiny_llama",
+    "create_tiny_llama",
+    "llama_config",
+    "load_master_weights",
+    "load_tiny_llama",
+    "read_llama_config",
+    "read_state_dict",
+    "save_tiny_llama",
+]
 
 
 class TinyLlamaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -110,8 +126,8 @@ def build_tiny_llama(spec: TinyLlamaSpec = TinyLlamaSpec(), *, seed: int) -> Lla
     return model.to(torch.float32).eval()
 
 
-def save_tiny_llama(model: LlamaForCausalLM, directory: str | os.PathLike[str]) -> Path:
-    """Save model (safetensors) and byte tokenizer into `directory`, atomically.
+def save_tiny_llama(model: PreTrainedModel, directory: str | os.PathLike[str]) -> Path:
+    """Save model (safetensors; any family) and byte tokenizer into `directory`, atomically.
 
     Everything is written into a temporary sibling directory that is renamed into place,
     so a crash never leaves a half-written model where a cache would find it. An
@@ -144,48 +160,20 @@ def create_tiny_llama(
 
 
 def read_llama_config(directory: str | os.PathLike[str]) -> LlamaConfig:
-    """The LlamaConfig saved in `directory`, with a clear error if it is not a Llama model dir."""
-    path = Path(directory)
-    if not (path / "config.json").is_file():
-        raise ModelDirError(f"{path}: no config.json (not a saved model directory)")
-    try:
-        config = LlamaConfig.from_pretrained(path)
-    except Exception as exc:  # transformers raises several types for a bad config
-        raise ModelDirError(f"{path}/config.json: cannot be read as a Llama config: {exc}") from exc
+    """The LlamaConfig saved in `directory`; ModelDirError unless it is a Llama model dir.
+
+    Other families: `fleetrl.actors.model.read_model_config`."""
+    config = read_model_config(directory)
     if config.model_type != "llama":
-        raise ModelDirError(f"{path}/config.json: model_type is {config.model_type!r}, expected 'llama'")
+        raise ModelDirError(
+            f"{Path(directory)}/config.json: model_type is {config.model_type!r}, expected 'llama' "
+            "(read_model_config reads every supported family)"
+        )
     return config
 
 
-def read_state_dict(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The saved tensors of `directory` by their Hugging Face names (as stored, on CPU).
-
-    With tied embeddings the file has no `lm_head.weight`; readers use the embedding.
-    """
-    path = Path(directory)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelDirError(f"{path}: no *.safetensors weight file")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in load_file(file).items():
-            if name in tensors:
-                raise ModelDirError(f"{file}: tensor {name!r} is also in another weight file")
-            tensors[name] = tensor
-    return tensors
-
-
 def load_tiny_llama(directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """Load a saved model in `dtype`, in eval mode."""
+    """Load a saved Llama model in `dtype`, in eval mode (any family: `load_model`)."""
     read_llama_config(directory)
     model = LlamaForCausalLM.from_pretrained(Path(directory), dtype=dtype)
     return model.eval()
-
-
-def load_master_weights(directory: str | os.PathLike[str]) -> LlamaForCausalLM:
-    """Load a saved model as fp32 master weights for a trainer (train mode, grads on)."""
-    model = load_tiny_llama(directory, dtype=torch.float32)
-    model.train()
-    for param in model.parameters():
-        param.requires_grad_(True)
-    return model

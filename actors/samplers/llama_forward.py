@@ -1,9 +1,14 @@
-"""A Llama forward pass with a key/value cache, written for batched decoding.
+"""A decoder forward pass with a key/value cache, written for batched decoding.
 
-The arithmetic follows Hugging Face's `LlamaForCausalLM` step by step (RMSNorm in fp32
-then cast back and scaled, rotary embeddings from an fp32 table cast to the activation
-dtype, SwiGLU MLP, grouped-query attention, softmax in fp32 inside SDPA), so in fp32 its
-logits equal a full transformers forward to float rounding. Weights are read through a
+One forward for the Llama, Qwen2, Qwen3 and Mistral families, with per-family options
+in `DecoderShape` (q/k/v and output biases, per-head q/k RMSNorm, a sliding attention
+window). The arithmetic follows Hugging Face's `LlamaForCausalLM` (and its Qwen2,
+Qwen3, Mistral variants) step by step (RMSNorm in fp32 then cast back and scaled,
+rotary embeddings from an fp32 table cast to the activation dtype, SwiGLU MLP,
+grouped-query attention, softmax in fp32 inside SDPA), so in fp32 its logits equal a
+full transformers forward to float rounding (tests/samplers/test_families.py). A config
+feature it does not implement is refused by `DecoderShape.from_config` with
+`UnsupportedModel` naming the feature. Weights are read through a
 `WeightReader`, which lets the caller keep them in any storage (plain fp32/bf16/fp16
 tensors, or fp8 with scales dequantised for each matmul).
 
@@ -16,7 +21,10 @@ have no native bf16 arithmetic.
 
 Layout: a batch is left-padded, so every row's last prompt token sits in the same cache
 column and each decode step writes one new column for the whole batch. A row's
-position is its column minus its padding; padded key columns are masked out.
+position is its column minus its padding; padded key columns are masked out. Columns
+of one row are consecutive positions, so a sliding window over columns is the window
+over positions; windowed layers narrow the caller's mask (`window_band`), the cache
+keeps every column.
 """
 
 from __future__ import annotations
@@ -30,13 +38,17 @@ import torch.nn.functional as F
 
 from fleetrl.actors.samplers.errors import UnsupportedModel
 
-__all__ = ["KVCache", "LlamaShape", "UnsupportedModel", "WeightReader", "RopeTable", "decoder_forward", "lm_logits",
-           "attention_mask", "projection"]
+__all__ = ["DecoderShape", "KVCache", "LlamaShape", "UnsupportedModel", "WeightReader", "RopeTable",
+           "decoder_forward", "lm_logits", "attention_mask", "projection", "window_band"]
+
+
+_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+"""The ``model_type``s this forward runs (fleetrl.actors.model.families)."""
 
 
 @dataclass(frozen=True)
-class LlamaShape:
-    """The numbers of a Llama config that the forward pass needs."""
+class DecoderShape:
+    """The numbers and per-family options of a decoder config that the forward needs."""
 
     vocab_size: int
     hidden_size: int
@@ -49,12 +61,32 @@ class LlamaShape:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    family: str = "llama"
+    """The config's ``model_type``: llama, qwen2, qwen3 or mistral."""
+    attention_bias: bool = False
+    """The q, k and v projections add a bias (qwen2 always; llama/qwen3 with
+    ``attention_bias``)."""
+    output_bias: bool = False
+    """The attention output projection (o_proj) adds a bias (llama/qwen3 with
+    ``attention_bias``; never qwen2)."""
+    qk_norm: bool = False
+    """Queries and keys go through a per-head RMSNorm (``q_norm``/``k_norm``, weights of
+    size head_dim) before the rotary embedding (qwen3)."""
+    sliding_window: int | None = None
+    """Keys a query may attend on a windowed layer, itself included: key column k is
+    visible from query column c when c - sliding_window < k <= c (transformers' and
+    vLLM's definition). None: no layer is windowed."""
+    sliding_layers: tuple[int, ...] = ()
+    """The layers that use `sliding_window` (every layer for mistral; for qwen2/qwen3 the
+    ``sliding_attention`` entries of ``layer_types``)."""
 
     @classmethod
-    def from_config(cls, config: Any) -> LlamaShape:
-        """From a transformers LlamaConfig; refuses features this forward lacks."""
-        if getattr(config, "model_type", None) != "llama":
-            raise UnsupportedModel(f"model_type {getattr(config, 'model_type', None)!r} is not 'llama'")
+    def from_config(cls, config: Any) -> DecoderShape:
+        """From a transformers config of a supported family; raises UnsupportedModel naming
+        the first feature this forward lacks."""
+        family = getattr(config, "model_type", None)
+        if family not in _FAMILIES:
+            raise UnsupportedModel(f"model_type {family!r} is not supported (supported: {', '.join(_FAMILIES)})")
         rope = dict(getattr(config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":
@@ -62,9 +94,10 @@ class LlamaShape:
         theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
         if theta is None:
             raise UnsupportedModel("config has no rope_theta")
-        for flag in ("attention_bias", "mlp_bias"):
-            if getattr(config, flag, False):
-                raise UnsupportedModel(f"config.{flag}=True is not supported")
+        if float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+            raise UnsupportedModel("partial_rotary_factor != 1 is not supported")
+        if getattr(config, "mlp_bias", False):
+            raise UnsupportedModel("config.mlp_bias=True is not supported")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedModel(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         if (getattr(config, "pretraining_tp", 1) or 1) != 1:
@@ -72,6 +105,9 @@ class LlamaShape:
         heads = config.num_attention_heads
         kv_heads = config.num_key_value_heads or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        biased = bool(getattr(config, "attention_bias", False))
+        window, sliding = _sliding_layers(config, family)
+        _check_window(window)
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -84,25 +120,44 @@ class LlamaShape:
             rope_theta=float(theta),
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(config.tie_word_embeddings),
+            family=family,
+            attention_bias=family == "qwen2" or (family in ("llama", "qwen3") and biased),
+            output_bias=family in ("llama", "qwen3") and biased,
+            qk_norm=family == "qwen3",
+            sliding_window=window,
+            sliding_layers=sliding,
         )
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None when it attends to the whole prefix."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every weight by its Hugging Face name, with its shape."""
+        """Every weight by its Hugging Face name, with its shape (biases and q/k norms
+        included where the family has them)."""
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_heads * d, self.num_kv_heads * d
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for layer in range(self.num_layers):
             p = f"model.layers.{layer}."
             shapes |= {
                 p + "input_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (self.num_heads * d, h),
-                p + "self_attn.k_proj.weight": (self.num_kv_heads * d, h),
-                p + "self_attn.v_proj.weight": (self.num_kv_heads * d, h),
-                p + "self_attn.o_proj.weight": (h, self.num_heads * d),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
                 p + "post_attention_layernorm.weight": (h,),
                 p + "mlp.gate_proj.weight": (i, h),
                 p + "mlp.up_proj.weight": (i, h),
                 p + "mlp.down_proj.weight": (h, i),
             }
+            if self.attention_bias:
+                shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)}
+            if self.output_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if self.qk_norm:
+                shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
@@ -111,6 +166,35 @@ class LlamaShape:
     @property
     def lm_head_name(self) -> str:
         return "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+
+
+LlamaShape = DecoderShape
+"""The former name of `DecoderShape` (it covers every family now)."""
+
+
+def _sliding_layers(config: Any, family: str) -> tuple[int | None, tuple[int, ...]]:
+    """(window, windowed layers) of a config, as transformers applies them."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if family == "llama":
+        return None, ()
+    if family == "mistral":
+        # transformers' Mistral windows every layer whenever sliding_window is set
+        return (None, ()) if window is None else (int(window), tuple(range(n)))
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise UnsupportedModel(f"layer_types {unknown} are not supported (only full_attention, sliding_attention)")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not sliding or window is None:
+        return None, ()
+    return int(window), sliding
+
+
+def _check_window(window: int | None) -> int | None:
+    if window is not None and window < 1:
+        raise UnsupportedModel(f"sliding_window {window} is not supported (must be >= 1 or null)")
+    return window
 
 
 class WeightReader(Protocol):
@@ -122,7 +206,7 @@ class WeightReader(Protocol):
 class RopeTable:
     """cos/sin of every position up to the context length, in fp32 (as HF computes them)."""
 
-    def __init__(self, shape: LlamaShape, device: torch.device) -> None:
+    def __init__(self, shape: DecoderShape, device: torch.device) -> None:
         d = shape.head_dim
         inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float) / d))
         positions = torch.arange(shape.max_position_embeddings, dtype=torch.float)
@@ -139,7 +223,7 @@ class RopeTable:
 class KVCache:
     """Per-layer keys and values, [B, kv_heads, capacity, head_dim], grown on demand."""
 
-    def __init__(self, shape: LlamaShape, batch: int, capacity: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: DecoderShape, batch: int, capacity: int, dtype: torch.dtype, device: torch.device):
         size = (batch, shape.num_kv_heads, capacity, shape.head_dim)
         # Uninitialised: a column is always written (the prefill writes padding columns
         # too) before any query reads it, since reads stop at `length`.
@@ -201,17 +285,29 @@ def attention_mask(pads_B: torch.Tensor, start: int, steps: int) -> torch.Tensor
     return ((causal[None] & real_key) | own)[:, None]
 
 
-def projection(x: torch.Tensor, w: WeightReader, mm: WeightReader | None, name: str) -> torch.Tensor:
-    """`x @ W.T` for the weight `name`: in x's dtype, or (with `mm`) multiplied in fp32 by
-    `mm(name)` and rounded back to x's dtype (fp32 accumulation, see the module docstring)."""
+def window_band(start: int, steps: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean [steps, start + steps]: True where key column k is not too far behind query
+    column c (c - window < k), for queries at columns start..start+steps-1. It bounds keys
+    from below only: `decoder_forward` ands it with the causal `attention_mask`."""
+    q = torch.arange(start, start + steps, device=device)[:, None]
+    k = torch.arange(start + steps, device=device)[None, :]
+    return k > q - window
+
+
+def projection(x: torch.Tensor, w: WeightReader, mm: WeightReader | None, name: str,
+               bias: str | None = None) -> torch.Tensor:
+    """`x @ W.T (+ b)` for the weight `name` (and the bias `bias`): in x's dtype, or (with
+    `mm`) multiplied in fp32 by `mm(name)`, the bias added in fp32, and rounded back to
+    x's dtype (fp32 accumulation, see the module docstring)."""
+    b = None if bias is None else w(bias)
     if mm is None:
-        return F.linear(x, w(name))
-    return F.linear(x.to(torch.float32), mm(name)).to(x.dtype)
+        return F.linear(x, w(name), b)
+    return F.linear(x.to(torch.float32), mm(name), None if b is None else b.to(torch.float32)).to(x.dtype)
 
 
 def decoder_forward(
     w: WeightReader,
-    shape: LlamaShape,
+    shape: DecoderShape,
     rope: RopeTable,
     ids_BT: torch.Tensor,
     positions_BT: torch.Tensor,
@@ -231,14 +327,25 @@ def decoder_forward(
     end = start + T
     h_, d = shape.num_heads, shape.head_dim
     kv = shape.num_kv_heads
+    eps = shape.rms_norm_eps
     cos, sin = rope(positions_BT, dtype)
+    windowed = None
+    if shape.sliding_window is not None:
+        windowed = mask_B1TL & window_band(start, T, shape.sliding_window, mask_B1TL.device)
     x = F.embedding(ids_BT, w("model.embed_tokens.weight"))
     for layer in range(shape.num_layers):
         p = f"model.layers.{layer}."
-        a = rms_norm(x, w(p + "input_layernorm.weight"), shape.rms_norm_eps)
-        q = projection(a, w, mm, p + "self_attn.q_proj.weight").view(B, T, h_, d).transpose(1, 2)
-        k = projection(a, w, mm, p + "self_attn.k_proj.weight").view(B, T, kv, d).transpose(1, 2)
-        v = projection(a, w, mm, p + "self_attn.v_proj.weight").view(B, T, kv, d).transpose(1, 2)
+        attn_p = p + "self_attn."
+        a = rms_norm(x, w(p + "input_layernorm.weight"), eps)
+        qkv = []
+        for proj, heads in (("q", h_), ("k", kv), ("v", kv)):
+            bias = f"{attn_p}{proj}_proj.bias" if shape.attention_bias else None
+            qkv.append(projection(a, w, mm, f"{attn_p}{proj}_proj.weight", bias).view(B, T, heads, d))
+        q, k, v = qkv
+        if shape.qk_norm:
+            q = rms_norm(q, w(attn_p + "q_norm.weight"), eps)
+            k = rms_norm(k, w(attn_p + "k_norm.weight"), eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         cache.keys[layer][:, :, start:end] = k
@@ -247,20 +354,20 @@ def decoder_forward(
             q,
             cache.keys[layer][:, :, :end],
             cache.values[layer][:, :, :end],
-            attn_mask=mask_B1TL,
+            attn_mask=mask_B1TL if windowed is None or shape.window(layer) is None else windowed,
             scale=d**-0.5,
             enable_gqa=kv != h_,
         )
         attn = attn.transpose(1, 2).reshape(B, T, h_ * d)
-        x = x + projection(attn, w, mm, p + "self_attn.o_proj.weight")
-        m = rms_norm(x, w(p + "post_attention_layernorm.weight"), shape.rms_norm_eps)
+        x = x + projection(attn, w, mm, attn_p + "o_proj.weight", attn_p + "o_proj.bias" if shape.output_bias else None)
+        m = rms_norm(x, w(p + "post_attention_layernorm.weight"), eps)
         gated = F.silu(projection(m, w, mm, p + "mlp.gate_proj.weight")) * projection(m, w, mm, p + "mlp.up_proj.weight")
         x = x + projection(gated, w, mm, p + "mlp.down_proj.weight")
     cache.length = end
     return rms_norm(x, w("model.norm.weight"), shape.rms_norm_eps)
 
 
-def lm_logits(w: WeightReader, shape: LlamaShape, hidden: torch.Tensor, mm: WeightReader | None = None) -> torch.Tensor:
+def lm_logits(w: WeightReader, shape: DecoderShape, hidden: torch.Tensor, mm: WeightReader | None = None) -> torch.Tensor:
     """Logits over the vocabulary, returned in fp32 (computed in the hidden states' dtype,
     or with fp32 accumulation and rounded to it when `mm` is given)."""
     return projection(hidden, w, mm, shape.lm_head_name).to(torch.float32)

@@ -1,8 +1,9 @@
 """The torch reference sampler backend: batched KV-cache decoding in fp32, bf16, fp16 or fp8.
 
-It runs our own Llama forward (`llama_forward`) over weights it holds by Hugging Face
-name, samples with fleetrl.grpo's support definition (`sampler_support`,
-`sample_from_support`), and reports every token's support and weight version.
+It runs our own decoder forward (`llama_forward`: the llama, qwen2, qwen3 and mistral
+families, docs/reference/models.md) over weights it holds by Hugging Face name, samples
+with fleetrl.grpo's support definition (`sampler_support`, `sample_from_support`), and
+reports every token's support and weight version.
 
 Precisions:
 
@@ -46,7 +47,8 @@ from typing import Literal
 import msgspec
 import torch
 
-from fleetrl.actors.model.tiny_llama import read_llama_config, read_state_dict
+from fleetrl.actors.model.families import read_model_config
+from fleetrl.actors.model.loading import read_state_dict
 from fleetrl.actors.samplers.base import (
     BackendBase,
     Health,
@@ -59,8 +61,8 @@ from fleetrl.actors.samplers.base import (
 )
 from fleetrl.actors.samplers.errors import BadGenerateRequest, NumericalFailure
 from fleetrl.actors.samplers.llama_forward import (
+    DecoderShape,
     KVCache,
-    LlamaShape,
     RopeTable,
     WeightReader,
     attention_mask,
@@ -81,7 +83,8 @@ class TorchBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """Configuration of one torch sampler."""
 
     model_dir: str
-    """A saved Llama directory (config.json + *.safetensors), e.g. from create_tiny_llama."""
+    """A saved model directory of a supported family (config.json + *.safetensors), e.g.
+    from create_tiny_model or `fleetrl model init`."""
     dtype: DTypeName = "fp32"
     device: str = "cpu"
     """A torch device string: "cpu", "cuda", "cuda:1", ..."""
@@ -122,8 +125,8 @@ class TorchBackend(BackendBase):
         matmul = config.matmul
         if matmul == "auto":
             matmul = "fp32" if self._device.type == "cpu" else "native"
-        hf_config = read_llama_config(config.model_dir)
-        self.shape = LlamaShape.from_config(hf_config)
+        hf_config = read_model_config(config.model_dir)  # ModelDirError: unsupported architecture
+        self.shape = DecoderShape.from_config(hf_config)  # UnsupportedModel: a feature the forward lacks
         self._rope = RopeTable(self.shape, self._device)
         tensors = read_state_dict(config.model_dir)
         if version is None:

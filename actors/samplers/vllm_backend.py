@@ -45,7 +45,8 @@ from typing import Any
 
 import torch
 
-from fleetrl.actors.model.tiny_llama import read_state_dict
+from fleetrl.actors.model.families import read_model_config
+from fleetrl.actors.model.loading import read_state_dict
 from fleetrl.actors.samplers.base import (
     BackendBase,
     Health,
@@ -111,6 +112,7 @@ class VllmBackend(BackendBase):
             )
         model_dir = Path(config.model_dir)
         tensors = read_state_dict(model_dir)  # raises ModelDirError for a bad directory
+        read_model_config(model_dir)  # ModelDirError naming an unsupported architectures entry
         if on_cpu:
             check_cpu_head_size(model_dir)
         self._dtype = compute_dtype(config.dtype)  # fp8: values go in as bf16, vLLM quantises them

@@ -40,6 +40,7 @@ from fleetrl.daemon.messages import RolloutFailed, RolloutGroup, WeightVersionAv
 from .batch import BadBatch, check_group
 from .config import TrainerConfig
 from .core import Trainer
+from .rank_engine import RankEngine, RanksStatus
 from .step import StepMetrics
 
 __all__ = ["Inbox", "TrainerHandle", "TrainerStatistics", "run"]
@@ -61,6 +62,8 @@ class TrainerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds trained, over restarts (what ``time_budget_s`` counts)."""
     done: bool
     """A budget is spent: no more steps."""
+    ranks: RanksStatus | None = None
+    """The rank processes (``ranks`` configured): pids, restarts, last failure; None in-process."""
 
 
 class TrainerHandle:
@@ -75,8 +78,9 @@ class TrainerHandle:
 
     def statistics(self) -> TrainerStatistics:
         t = self.trainer
+        ranks = t.engine.status() if isinstance(t.engine, RankEngine) else None
         return TrainerStatistics(version=t.version, step=t.step, queued=len(t.buffer), groups=dict(self.groups),
-                                 elapsed_s=round(t.elapsed_s, 3), done=t.done)
+                                 elapsed_s=round(t.elapsed_s, 3), done=t.done, ranks=ranks)
 
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
 
@@ -105,6 +109,7 @@ class _Metrics:
             ("delta_density", "Fraction of bf16 weights changed by the last version"),
             ("usd_per_rollout", "Sampling dollars per trajectory of the last batch"),
         )}
+        self.rank_restarts = mx.gauge("trainer_rank_restarts", "Restarts of the trainer's rank group")
         self.cost = mx.counter("trainer_cost_usd_total", "Sampling dollars of the trained batches")
 
     def group(self, outcome: str) -> None:
@@ -114,6 +119,9 @@ class _Metrics:
     def observe(self, m: StepMetrics) -> None:
         for name, g in self.gauges.items():
             g.set(getattr(m, name))
+        ranks = self.handle.statistics().ranks
+        if ranks is not None:
+            self.rank_restarts.set(ranks.restarts)
         for key, kl in m.mismatch_kl_by_sampler.items():
             self.mx.gauge("trainer_mismatch_kl_by_sampler", "k3 mismatch KL per backend/dtype, last step",
                           {"sampler": key}).set(kl)
@@ -150,8 +158,17 @@ class _Progress:
 async def run(cfg: TrainerConfig, ctx: ActorContext, *,
               task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
     """The trainer actor; see the module docstring."""
-    trainer = await ctx.run_blocking(partial(Trainer, cfg, ctx.state_dir, ctx.run_id, clock=ctx.clock))
-    await ctx.run_blocking(trainer.start, ctx.restored)
+    def rank_restart(why: str) -> None:  # called from the worker thread that runs the step
+        ctx.log.warning("trainer rank group restarting", reason=why)
+
+    trainer = await ctx.run_blocking(partial(Trainer, cfg, ctx.state_dir, ctx.run_id, clock=ctx.clock,
+                                             on_rank_restart=rank_restart))
+    try:
+        await ctx.run_blocking(trainer.start, ctx.restored)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await ctx.run_blocking(trainer.close)
+        raise
     lock = trio.Lock()
     handle = TrainerHandle(trainer)
     metrics = _Metrics(ctx, handle)
@@ -189,9 +206,9 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
     task_status.started(handle)
 
     async def announce_version() -> None:
-        if not announce or trainer.publisher.digest is None:
+        if not announce or trainer.digest is None:
             return
-        msg = WeightVersionAvailable(version=trainer.version, digest=trainer.publisher.digest.hex(),
+        msg = WeightVersionAvailable(version=trainer.version, digest=trainer.digest,
                                      base=None, blobs=())
         for name, chan in announce:
             try:
@@ -275,9 +292,16 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
         except OSError as exc:  # disk full: the trainer's own file was written; keep training
             ctx.log.error("daemon checkpoint failed", error=f"{type(exc).__name__}: {exc}")
 
+    async def watch_ranks(engine: RankEngine, interval_s: float) -> None:
+        while True:
+            await trio.sleep(interval_s)
+            async with lock:
+                await ctx.run_blocking(engine.check)
+
     finished = False
-    try:
-        await announce_version()
+
+    async def main_loop() -> None:
+        nonlocal finished
         while True:
             await train_ready()
             reason = trainer.stop_reason()
@@ -307,11 +331,23 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
             pending.append(msg)
             async with lock:
                 handle_pending()
+
+    try:
+        await announce_version()
+        async with trio.open_nursery() as nursery:
+            if isinstance(trainer.engine, RankEngine):
+                assert cfg.ranks is not None
+                nursery.start_soon(watch_ranks, trainer.engine, cfg.ranks.watch_interval_s)
+            await main_loop()
+            nursery.cancel_scope.cancel()
     finally:
         progress.close()
         with trio.CancelScope(shield=True):
             async with lock:
-                await ctx.run_blocking(trainer.write_checkpoint)
+                try:
+                    await ctx.run_blocking(trainer.write_checkpoint)
+                finally:
+                    await ctx.run_blocking(trainer.close)
         for chan in [rejects, *(c for _, c in announce)]:
             if chan is not None:
                 chan.close()

@@ -13,6 +13,14 @@ Rows whose prompts are identical (the attempts of one group, usually) share one 
 names row ``b``'s entry. `fleetrl.actors.trainer.prefix` uses it to run each distinct
 prompt through the model once per step instead of once per row.
 
+`split_rows` cuts a batch into micro-batches under a token budget, and `select_rows`
+makes the batch of any subset of rows (each a valid `Batch` of its own: distinct
+prompts, trajectories and groups re-indexed, padding trimmed). What describes the whole
+batch rather than its rows (groups, trajectories and their rewards, each group's oldest
+version, retokenization breaks: `BatchSummary`) travels with the part that holds the
+parent's row 0 and is empty in the others, so summing the parts' summaries over
+micro-batches and data-parallel ranks counts each group and trajectory once.
+
 Every segment of a trajectory gets that trajectory's advantage, computed per group
 from the group's rewards by `fleetrl.grpo.group_advantages`. Each row records which
 sampler produced it (``"backend/dtype"`` keys) so the step can report the mismatch KL
@@ -34,7 +42,8 @@ from fleetrl.grpo import group_advantages
 from .config import AdvantageConfig
 from .errors import BadBatch
 
-__all__ = ["BadBatch", "Batch", "build_batch", "check_group", "sampler_key"]
+__all__ = ["BadBatch", "Batch", "BatchSummary", "build_batch", "check_group", "micro_batch_cost", "sampler_key",
+           "select_rows", "split_rows"]
 
 
 BREAKS_PREFIX = "retokenization_breaks/"
@@ -44,6 +53,30 @@ BREAKS_PREFIX = "retokenization_breaks/"
 def sampler_key(backend: str, dtype: str) -> str:
     """The metric key of a sampler kind, e.g. ``"torch/bfloat16"``."""
     return f"{backend}/{dtype}"
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """What a batch says about its groups and trajectories as a whole (CPU tensors).
+
+    The summaries of the parts of a split batch add up to the whole's (concatenate
+    ``rewards`` and ``group_oldest``, add ``retokenization_breaks``)."""
+
+    rewards: torch.Tensor  # [n_trajectories] float32
+    group_oldest: torch.Tensor  # [n_groups] long: oldest token version of each group, -1 if none
+    retokenization_breaks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def n_groups(self) -> int:
+        return int(self.group_oldest.numel())
+
+    @property
+    def n_trajectories(self) -> int:
+        return int(self.rewards.numel())
+
+    @staticmethod
+    def empty() -> BatchSummary:
+        return BatchSummary(rewards=torch.zeros(0, dtype=torch.float32), group_oldest=torch.zeros(0, dtype=torch.long))
 
 
 @dataclass(frozen=True)
@@ -72,6 +105,25 @@ class Batch:
     retokenization_breaks: dict[str, int] = field(default_factory=dict)
     """Breaks of the batch's trajectories by cause (the harness's token stream was not
     extended; each segment is a row of its own, trained with its own context)."""
+    whole: BatchSummary | None = None
+    """Set by `select_rows`: the summary this part contributes to the batch it was cut
+    from (the parent's for the part holding its row 0, empty for the others). None for a
+    batch built by `build_batch`, whose summary is its own (`summary`)."""
+
+    def summary(self) -> BatchSummary:
+        """This batch's contribution to the whole batch's groups, trajectories, rewards,
+        staleness and breaks (`BatchSummary`)."""
+        if self.whole is not None:
+            return self.whole
+        oldest = torch.full((self.n_groups,), -1, dtype=torch.long)
+        rg, v = self.row_group.cpu(), self.versions.cpu()
+        for g in range(self.n_groups):
+            vg = v[rg == g]
+            vg = vg[vg >= 0]
+            if vg.numel():
+                oldest[g] = int(vg.min())
+        return BatchSummary(rewards=self.rewards.detach().cpu().float(), group_oldest=oldest,
+                            retokenization_breaks=dict(self.retokenization_breaks))
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with every tensor on ``device``."""
@@ -225,3 +277,130 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         n_groups=len(groups),
         retokenization_breaks=breaks,
     )
+
+
+def select_rows(batch: Batch, rows: Sequence[int] | torch.Tensor) -> Batch:
+    """The `Batch` of ``rows`` of ``batch`` (in the given order), a valid batch of its own.
+
+    Padding is trimmed to the selected rows (``L``, ``T``, ``K`` and the prompt width
+    ``P`` are their longest); the distinct prompts, trajectories (``rewards``) and groups
+    the rows use are kept in first-use order and re-indexed; ``sampler_keys`` is kept
+    whole (``row_sampler`` is unchanged). A trajectory whose segments fall in two
+    selections has its reward in both selections' ``rewards``.
+
+    Whole-batch figures: the selection holding ``batch``'s row 0 carries
+    ``batch.summary()`` (and ``retokenization_breaks``), every other selection an empty
+    `BatchSummary` (and no breaks), so over a partition of the rows each group and
+    trajectory is counted once (`train_step` sums summaries over micro-batches and
+    ranks). A batch with no rows has no row 0: each selection of it carries its summary.
+    """
+    idx = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+    B = int(batch.tokens.shape[0])
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= B):
+        raise IndexError(f"select_rows: row indices must be in [0, {B}), got {idx.tolist()}")
+    if idx.numel() != idx.unique().numel():
+        raise ValueError(f"select_rows: a row is selected twice: {idx.tolist()}")
+    attn = batch.attention_mask[idx]
+    mask = batch.loss_mask[idx]
+    L = max(int(attn.sum(-1).max()), 1) if idx.numel() else 1
+    T = max(int(mask.sum(-1).max()), 1) if idx.numel() else 1
+    sup = batch.support_ids[idx, :T]
+    K = max(int((sup >= 0).sum(-1).max()), 1) if idx.numel() else 1
+
+    def reindex(values: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Distinct values in first-use order, and each value's position among them."""
+        order: dict[int, int] = {}
+        for v in values.tolist():
+            order.setdefault(v, len(order))
+        used = list(order)
+        return used, torch.tensor([order[v] for v in values.tolist()], dtype=torch.long)
+
+    prompts, prefix_index = reindex(batch.prefix_index[idx])
+    trajs, row_traj = reindex(batch.row_trajectory[idx])
+    groups, row_group = reindex(batch.row_group[idx])
+    owner = batch.tokens.shape[0] == 0 or bool((idx == 0).any())
+    whole = batch.summary() if owner else BatchSummary.empty()
+    plens = batch.prompt_lengths[prompts] if prompts else torch.zeros(0, dtype=torch.long)
+    P = max(int(plens.max()), 1) if prompts else 1
+    prompt_ids = batch.prompt_ids[prompts, :P] if prompts else torch.zeros((0, 1), dtype=torch.long)
+    return Batch(
+        input_ids=batch.input_ids[idx, :L].contiguous(),
+        attention_mask=attn[:, :L].contiguous(),
+        positions=batch.positions[idx, :T].contiguous(),
+        tokens=batch.tokens[idx, :T].contiguous(),
+        loss_mask=mask[:, :T].contiguous(),
+        sampler_logprobs=batch.sampler_logprobs[idx, :T].contiguous(),
+        support_ids=sup[:, :, :K].contiguous(),
+        support_logprobs=batch.support_logprobs[idx, :T, :K].contiguous(),
+        versions=batch.versions[idx, :T].contiguous(),
+        advantages=batch.advantages[idx].contiguous(),
+        row_sampler=batch.row_sampler[idx].contiguous(),
+        row_trajectory=row_traj.to(batch.row_trajectory.device),
+        row_group=row_group.to(batch.row_group.device),
+        prompt_ids=prompt_ids.contiguous(),
+        prompt_lengths=plens.contiguous(),
+        prefix_index=prefix_index.to(batch.prefix_index.device),
+        sampler_keys=batch.sampler_keys,
+        rewards=batch.rewards[trajs].contiguous() if trajs else batch.rewards[:0].clone(),
+        n_groups=len(groups),
+        retokenization_breaks=dict(whole.retokenization_breaks),
+        whole=whole,
+    )
+
+
+def micro_batch_cost(row_lengths: Sequence[int]) -> int:
+    """Tokens of a micro-batch of rows of these lengths (prompt + generated each) in
+    the padded ``[B, L]`` layout: ``B * max length``."""
+    return len(row_lengths) * max(row_lengths, default=0)
+
+
+def split_rows(batch: Batch, max_tokens: int) -> list[Batch]:
+    """Cut ``batch`` into micro-batches of at most ``max_tokens`` tokens each (pure).
+
+    A micro-batch's size is counted as its padded full-row layout: ``rows x the longest
+    row's prompt + generated tokens`` (`micro_batch_cost`; padding included, whatever
+    the forward then computes; the prompt-sharing forward computes at most about that).
+    Rules, in order: rows stay in order (concatenating the micro-batches' rows gives the
+    batch's rows); a row is never split; a run of consecutive rows with the same prompt
+    (the attempts of a group) stays in one micro-batch whenever it fits in an empty
+    one; a run that does not fit is packed row by row; a single row over the budget
+    goes alone. Each micro-batch is a valid `Batch` (`select_rows`); the first carries
+    the batch's `BatchSummary`, the others an empty one. An empty batch is one (empty)
+    micro-batch.
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"split_rows: max_tokens must be an int >= 1, got {max_tokens!r}")
+    B = int(batch.tokens.shape[0])
+    if B == 0:
+        return [batch]
+    lengths = batch.attention_mask.sum(-1).tolist()
+    prefix = batch.prefix_index.tolist()
+    runs: list[list[int]] = []
+    for b in range(B):
+        if runs and prefix[runs[-1][-1]] == prefix[b]:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    parts: list[list[int]] = []
+    cur: list[int] = []
+
+    def fits(rows: list[int]) -> bool:
+        return micro_batch_cost([lengths[r] for r in rows]) <= max_tokens
+
+    for run in runs:
+        if cur and fits(cur + run):
+            cur = cur + run
+        elif fits(run):
+            if cur:
+                parts.append(cur)
+            cur = list(run)
+        else:
+            for r in run:
+                if cur and fits(cur + [r]):
+                    cur.append(r)
+                else:
+                    if cur:
+                        parts.append(cur)
+                    cur = [r]
+    parts.append(cur)
+    return [select_rows(batch, rows) for rows in parts]

@@ -7,6 +7,11 @@ file, and the actor also writes it into its own ``checkpoints/`` every
 back into a freshly built model, optimizer and buffer so that the next step is
 bit-identical to the one an uninterrupted trainer would take: fp32 weights and AdamW
 state are stored as raw tensors (no casts), and torch's CPU RNG state is included.
+
+A trainer that runs as rank processes (``[ranks]``) keeps its model, optimizer and RNG in
+a sharded torch.distributed checkpoint instead (`fleetrl.actors.trainer.dcp`); its
+`TrainerCheckpoint` then names that directory in ``sharded`` and leaves ``model``,
+``optimizer`` and ``rng`` empty.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from fleetrl.actors.buffer import BufferState, RolloutBuffer
 from .errors import CheckpointError
 
 __all__ = ["CheckpointError", "TrainerCheckpoint", "capture", "decode", "encode", "model_fingerprint",
-           "restore"]
+           "model_parts", "restore", "restore_model"]
 
 FORMAT = 1
 
@@ -49,6 +54,10 @@ class TrainerCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
     elapsed_s: float = 0.0
     """Wall-clock seconds the trainer had run when this was captured, summed over its
     restarts (what ``time_budget_s`` counts; 0 in checkpoints written before it existed)."""
+    sharded: str | None = None
+    """Name of the sharded checkpoint directory (under the trainer's ``sharded/``) that
+    holds model, optimizer and RNG, written at ``step`` by the rank group; None: they are
+    inline above."""
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -58,18 +67,20 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:32]
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffer: RolloutBuffer, *,
-            step: int, version: int, task_cursor: int, elapsed_s: float = 0.0) -> TrainerCheckpoint:
-    """Snapshot the trainer (copies: later training does not change the snapshot)."""
+def model_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str | bytes]:
+    """The inline model fields of a checkpoint (fingerprint, model, optimizer, rng), copied."""
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     opt = io.BytesIO()
     torch.save(optimizer.state_dict(), opt)
-    return TrainerCheckpoint(
-        step=step, version=version, fingerprint=model_fingerprint(model),
-        model=st_save(state), optimizer=opt.getvalue(),
-        rng=bytes(torch.get_rng_state().numpy().tobytes()), buffer=buffer.snapshot(),
-        task_cursor=task_cursor, elapsed_s=elapsed_s,
-    )
+    return dict(fingerprint=model_fingerprint(model), model=st_save(state), optimizer=opt.getvalue(),
+                rng=bytes(torch.get_rng_state().numpy().tobytes()))
+
+
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, buffer: RolloutBuffer, *,
+            step: int, version: int, task_cursor: int, elapsed_s: float = 0.0) -> TrainerCheckpoint:
+    """Snapshot an in-process trainer (copies: later training does not change the snapshot)."""
+    return TrainerCheckpoint(step=step, version=version, buffer=buffer.snapshot(), task_cursor=task_cursor,
+                             elapsed_s=elapsed_s, **model_parts(model, optimizer))
 
 
 def encode(ckpt: TrainerCheckpoint) -> bytes:
@@ -92,10 +103,19 @@ def decode(data: bytes | TrainerCheckpoint) -> TrainerCheckpoint:
 def restore(ckpt: TrainerCheckpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             buffer: RolloutBuffer) -> None:
     """Load ``ckpt`` into ``model``, ``optimizer``, ``buffer`` and torch's RNG, exactly."""
+    restore_model(ckpt, model, optimizer)
+    buffer.restore(ckpt.buffer)
+
+
+def restore_model(ckpt: TrainerCheckpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load ``ckpt``'s inline model, optimizer and RNG state (not the buffer), exactly."""
     fp = model_fingerprint(model)
     if ckpt.fingerprint != fp:
         raise CheckpointError(f"trainer checkpoint is of another model (fingerprint {ckpt.fingerprint}, "
                               f"this model {fp}); a new model needs a new run")
+    if ckpt.sharded is not None:
+        raise CheckpointError(f"trainer checkpoint at step {ckpt.step} keeps its model in the sharded "
+                              f"checkpoint {ckpt.sharded}, not inline")
     tensors = st_load(ckpt.model)
     with torch.no_grad():
         for k, v in model.state_dict().items():
@@ -106,4 +126,3 @@ def restore(ckpt: TrainerCheckpoint, model: torch.nn.Module, optimizer: torch.op
     except Exception as exc:  # torch raises several types for a bad state dict
         raise CheckpointError(f"trainer checkpoint: optimizer state cannot be loaded: {exc}") from exc
     torch.set_rng_state(torch.frombuffer(bytearray(ckpt.rng), dtype=torch.uint8))
-    buffer.restore(ckpt.buffer)

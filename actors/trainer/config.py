@@ -8,16 +8,17 @@ ValueError naming the field.
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 from fleetrl.actors.buffer import BufferConfig
+from fleetrl.daemon.config import RestartPolicy
 from fleetrl.grpo import CorrectionConfig
 
 from .schedule import SCHEDULES, Schedule
 
-__all__ = ["AdvantageConfig", "TrainerConfig"]
+__all__ = ["AdvantageConfig", "RanksConfig", "TrainerConfig"]
 
 PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
@@ -43,6 +44,59 @@ class AdvantageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Divide by the group's reward std (GRPO as published); False = mean-only (Dr. GRPO)."""
     leave_one_out: bool = False
     """Baseline each attempt with the mean of the *other* attempts (RLOO)."""
+
+
+class RanksConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[actors.trainer.config.ranks]``: run the trainer as torch.distributed rank
+    processes (FSDP2), supervised by the trainer actor (docs/reference/trainer.md,
+    "Rank processes")."""
+
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    """Rank processes on this host (data parallel, parameters sharded with FSDP2)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto: nccl when ``device`` is CUDA, else gloo."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous address of rank 0."""
+    master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Rendezvous port; 0: a free port chosen at each start."""
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype FSDP2 gathers parameters in for forward/backward (`MixedPrecisionPolicy`);
+    the master weights and AdamW stay fp32, gradients are reduced in fp32."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in backward (memory for compute)."""
+    threads: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
+    """torch intra-op threads per rank (None: the machine's cores / world_size)."""
+    start_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
+    """Seconds for the ranks to load the model and answer (a rank that takes longer fails the start)."""
+    step_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    """A request (step, checkpoint) unanswered this long fails the group (a hung rank);
+    None: no limit (a dead rank is still detected within about a second)."""
+    watch_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    """How often the actor checks, between steps, that every rank is alive (during a
+    request the check runs several times a second)."""
+    keep_checkpoints: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+    """Committed sharded checkpoints kept under ``sharded/``."""
+    restart: RestartPolicy = RestartPolicy()
+    """Restarts of the rank group after a rank dies: backoff, and the intensity past which
+    the trainer actor fails (and the daemon's own policy takes over)."""
+
+    def __post_init__(self) -> None:
+        o = "RanksConfig"
+        _num(o, "world_size", self.world_size, low=1, high=1024, integer=True)
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"{o}.backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError(f"{o}.master_addr must be a host name or address, got {self.master_addr!r}")
+        _num(o, "master_port", self.master_port, low=0, high=65535, integer=True)
+        if self.param_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"{o}.param_dtype must be 'fp32' or 'bf16', got {self.param_dtype!r}")
+        _num(o, "start_timeout_s", self.start_timeout_s, low=0.0, low_open=True)
+        if self.step_timeout_s is not None:
+            _num(o, "step_timeout_s", self.step_timeout_s, low=0.0, low_open=True)
+        if self.threads is not None:
+            _num(o, "threads", self.threads, low=1, high=1024, integer=True)
+        _num(o, "keep_checkpoints", self.keep_checkpoints, low=1, high=1000, integer=True)
+        _num(o, "watch_interval_s", self.watch_interval_s, low=0.0, low_open=True)
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -125,8 +179,18 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     in the trainer's state dir (each row's prompt ids, the tokens in the loss and their
     versions; `core.batch_record`): what exactly was trained, for tests and debugging."""
 
+    micro_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Accumulate each step's gradient over micro-batches of at most this many tokens per
+    rank (prompt + generated, padding included; a longer row goes alone); the step equals
+    the whole batch's to float rounding. None: the whole batch at once."""
+    ranks: RanksConfig | None = None
+    """Run the model in supervised torch.distributed rank processes (FSDP2, sharded
+    checkpoints, restart after a rank dies); None: in the daemon's own process."""
+
     def __post_init__(self) -> None:
         o = "TrainerConfig"
+        if self.micro_batch_tokens is not None:
+            _num(o, "micro_batch_tokens", self.micro_batch_tokens, low=1, integer=True)
         if not isinstance(self.model_dir, str) or not self.model_dir:
             raise ValueError(f"{o}.model_dir must be a non-empty path, got {self.model_dir!r}")
         _num(o, "lr", self.lr, low=0.0, high=1.0, low_open=True)

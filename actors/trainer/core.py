@@ -1,8 +1,11 @@
 """The trainer's state and its blocking operations (run in a worker thread by the actor).
 
-`Trainer` owns the fp32 master model, AdamW, the rollout buffer, the weight publisher
-and the metrics file. Every method is synchronous; the actor serialises them with one
-lock, so a checkpoint never sees a half-done step.
+`Trainer` owns the rollout buffer, the task cursor, the budgets, the metrics file and
+the checkpoint files; the model, its optimizer and the weight publisher sit in an engine
+(`engine.LocalEngine` in this process, or `rank_engine.RankEngine`: supervised
+torch.distributed rank processes, with ``ranks`` configured). Every method is
+synchronous; the actor serialises them with one lock, so a checkpoint never sees a
+half-done step.
 """
 
 from __future__ import annotations
@@ -13,19 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import torch
 
 from fleetrl.actors.buffer import RolloutBuffer, StaleGroup
-from fleetrl.actors.model import load_master_weights
-from fleetrl.actors.weights import BlobNotFound, LocalDirStore, Publisher, PublisherConfig, StoreSource
+from fleetrl.actors.weights import LocalDirStore
 from fleetrl.daemon.checkpoint import CheckpointStore
 from fleetrl.daemon.messages import RolloutGroup
 
 from . import checkpoint as ck
 from .batch import Batch, build_batch
 from .config import TrainerConfig
+from .engine import Engine, LocalEngine
 from .schedule import lr_at
-from .step import StepMetrics, build_optimizer, master_bf16, train_step
+from .step import StepMetrics
 
 __all__ = ["Trainer", "batch_cost_usd", "batch_record"]
 
@@ -53,34 +55,30 @@ def batch_record(batch: Batch, step: int) -> dict[str, Any]:
 
 
 class Trainer:
-    """Model + optimizer + buffer + publisher of one trainer incarnation."""
+    """Buffer, counters and checkpoint files of one trainer incarnation, and its engine."""
 
     def __init__(self, cfg: TrainerConfig, state_dir: Path, run_id: str, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_rank_restart: Callable[[str], None] | None = None) -> None:
         """`clock`: monotonic seconds for ``time_budget_s`` (the actor passes the
-        kernel's ``ctx.clock``; tests pass a fake one)."""
+        kernel's ``ctx.clock``; tests pass a fake one). `on_rank_restart(reason)` is
+        called (from the step's thread) before each restart of the rank group."""
         self.cfg = cfg
         self.clock = clock
         self.state_dir = Path(state_dir)
         self.run_id = run_id
-        try:
-            device = torch.device(cfg.device)
-        except RuntimeError as exc:
-            raise ValueError(f"TrainerConfig.device {cfg.device!r} is not a torch device: {exc}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"TrainerConfig.device is {cfg.device!r} but CUDA is not available")
-        self.model = load_master_weights(cfg.model_dir).to(device)
-        self.vocab_size = int(self.model.config.vocab_size)
-        self.optimizer = build_optimizer(self.model, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                         weight_decay=cfg.weight_decay)
-        self.buffer = RolloutBuffer(cfg.buffer)
+        self.engine: Engine
+        if cfg.ranks is None:
+            self.engine = LocalEngine(cfg, self.state_dir, run_id)
+        else:
+            from .rank_engine import RankEngine
+
+            self.engine = RankEngine(cfg, self.state_dir, run_id, on_restart=on_rank_restart)
         self.store = LocalDirStore(self.state_dir / "weights")
-        self.publisher = Publisher(self.store, PublisherConfig(run=run_id, window=cfg.publish_window,
-                                                               anchor_every=cfg.anchor_every))
+        self.buffer = RolloutBuffer(cfg.buffer)
         self.local = CheckpointStore(self.state_dir / "checkpoints", keep=2)
         self.metrics_path = self.state_dir / "metrics.jsonl"
         self.step = 0
-        self.version = -1
         self.task_cursor = 0
         self.resumed_from: str = "fresh"
         self._applied = False
@@ -99,23 +97,38 @@ class Trainer:
         if local is not None and LOCAL_CKPT_KEY in local.actors:
             c = ck.decode(local.actors[LOCAL_CKPT_KEY])
             candidates.append(((c.step, c.task_cursor), "trainer checkpoint", c))
+        best = None
         if candidates:
             _, where, best = max(candidates, key=lambda x: x[0])
-            ck.restore(best, self.model, self.optimizer, self.buffer)
             self.step, self.task_cursor, self.resumed_from = best.step, best.task_cursor, where
             self._elapsed_before = best.elapsed_s
-        else:
-            torch.manual_seed(self.cfg.seed)
-        # continue the version sequence of whatever this state dir already published
-        try:
-            last = StoreSource(self.store).manifest().version
-        except BlobNotFound:
-            last = None
-        if last is not None:
-            self.publisher.resume_after(last)  # no shadow of `last` here: a full anchor next
-        vm = self.publisher.publish(master_bf16(self.model))
-        self.version = vm.version
+        self.engine.start(best)  # restores model, optimizer, RNG; publishes the next version
+        if best is not None:
+            self.buffer.restore(best.buffer)
         self._started = self.clock()
+
+    @property
+    def version(self) -> int:
+        """Newest published weight version."""
+        return self.engine.version
+
+    @property
+    def digest(self) -> str | None:
+        """Hex digest of that version."""
+        return self.engine.digest
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def optimizer(self):
+        """The in-process optimizer (`LocalEngine`; rank processes hold their own)."""
+        return self.engine.optimizer  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Stop the engine (rank processes leave their group)."""
+        self.engine.close()
 
     # -- training ---------------------------------------------------------------------
     def ready(self) -> bool:
@@ -167,14 +180,8 @@ class Trainer:
 
     def train(self, groups: Sequence[RolloutGroup]) -> StepMetrics:
         """One step on ``groups`` (already taken from the buffer); publish; log; checkpoint."""
-        batch = build_batch(groups, self.cfg.advantage)
         lr = self.lr_now()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        m = train_step(self.model, self.optimizer, batch, corrections=self.cfg.corrections,
-                       temperature=self.cfg.temperature, grad_clip=self.cfg.grad_clip,
-                       pass_threshold=self.cfg.pass_threshold, step=self.step,
-                       trainer_version=self.version, share_prompts=self.cfg.share_prompts)
+        m = self.engine.train(groups, lr=lr, step=self.step, trainer_version=self.version)
         cost = batch_cost_usd(groups)
         m = msgspec.structs.replace(m, lr=lr, cost_usd=cost, elapsed_s=self.elapsed_s,
                                     usd_per_rollout=cost / m.trajectories if m.trajectories else 0.0)
@@ -183,16 +190,12 @@ class Trainer:
         else:
             self._applied = True
             self.step = m.step
-            vm = self.publisher.publish(master_bf16(self.model))
-            self.version = vm.version
-            m = msgspec.structs.replace(m, version=vm.version, delta_ratio=vm.ratio_vs_bf16,
-                                        delta_density=vm.changed_fraction, delta_bytes=vm.delta_bytes,
-                                        publish_s=vm.publish_s)
         with self.metrics_path.open("ab") as fh:
             fh.write(msgspec.json.encode(m) + b"\n")
         if not m.skipped and self.step <= self.cfg.record_batches:
             out = self.state_dir / "batches" / f"step-{self.step}.json"
             out.parent.mkdir(exist_ok=True)
+            batch = build_batch(groups, self.cfg.advantage)
             out.write_bytes(msgspec.json.encode(batch_record(batch, self.step)))
         if not m.skipped and self.step % self.cfg.checkpoint_every == 0:
             self.write_checkpoint()
@@ -200,9 +203,10 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------
     def snapshot(self) -> bytes:
-        return ck.encode(ck.capture(self.model, self.optimizer, self.buffer, step=self.step,
-                                    version=self.version, task_cursor=self.task_cursor,
-                                    elapsed_s=self.elapsed_s))
+        model = self.engine.capture(self.step)
+        return ck.encode(ck.TrainerCheckpoint(
+            step=self.step, version=self.version, buffer=self.buffer.snapshot(), task_cursor=self.task_cursor,
+            elapsed_s=self.elapsed_s, **msgspec.structs.asdict(model)))
 
     def write_checkpoint(self) -> None:
         """Write the trainer's own atomic checkpoint (temp file, fsync, rename)."""

@@ -5,7 +5,7 @@ builtin (ValueError, RuntimeError) it stays a second base."""
 
 from __future__ import annotations
 
-__all__ = ["BadBatch", "CheckpointError", "TrainerError"]
+__all__ = ["BadBatch", "CheckpointError", "RankProtocolError", "RankStepError", "RanksFailed", "TrainerError"]
 
 
 class TrainerError(Exception):
@@ -18,3 +18,17 @@ class BadBatch(TrainerError, ValueError):
 
 class CheckpointError(TrainerError, ValueError):
     """A trainer checkpoint that cannot be restored into this model (says why)."""
+
+
+class RanksFailed(TrainerError, RuntimeError):
+    """The trainer's rank group cannot go on: a rank process died, hung past its limit,
+    or failed to start (the message names the rank, its exit status and the log dir)."""
+
+
+class RankStepError(TrainerError, RuntimeError):
+    """A request raised inside the rank processes; the message carries their error."""
+
+
+class RankProtocolError(TrainerError, ValueError):
+    """A frame between the trainer actor and rank 0 that is not a message of
+    `rank_protocol` (names what is wrong)."""

@@ -43,8 +43,11 @@ __all__ = ["plain_logits", "shared_prompt_logits"]
 
 
 def plain_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """``[B, T, V]`` logits at ``batch.positions`` from one forward of the full rows (the reference)."""
-    logits_BLV = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    """``[B, T, V]`` logits at ``batch.positions`` from one forward of the full rows (the reference).
+
+    No KV cache is built (``use_cache=False``): nothing reads it, and a block that
+    recomputes its forward in backward (activation checkpointing) would write it twice."""
+    logits_BLV = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     idx = batch.positions.unsqueeze(-1).expand(-1, -1, logits_BLV.shape[-1])
     return logits_BLV.gather(1, idx)
 

@@ -7,25 +7,46 @@ the rows that start with it, `fleetrl.actors.trainer.prefix`; or, with
 apply `fleetrl.grpo.policy_loss` (support replay, importance weights and masks, score
 centering as configured), backward, clip the global grad norm, AdamW step.
 
+Micro-batches and ranks. The batch is cut into micro-batches of at most
+``micro_batch_tokens`` tokens (`fleetrl.actors.trainer.batch.split_rows`; None: one), and
+each data-parallel rank trains its own rows (``collective``). Each micro-batch's loss is
+the *sum* ``policy_loss(..., reduction="sum")`` (the numerator of the batch's
+normalised mean) and is backpropagated at once, so the gradients accumulate sums; then
+the normalisers (kept tokens, or kept sequences) and every metric's sums are summed
+over micro-batches and ranks, the gradients (summed over ranks: FSDP's reduce-scatter
+with its divide factor set to 1, or one all-reduce for a replicated model) are divided
+by the global normaliser once, clipped by their global norm, and AdamW steps. So any
+split into micro-batches and ranks gives the one-batch step to fp32 rounding, and every
+metric means what it means for the whole batch.
+
 A step is *skipped* (weights and optimizer state untouched) when no token can carry a
 gradient: every advantage is zero (zero-variance groups), or the corrections masked every
 token, or the gradient is not finite. With weight decay or Adam momentum an optimizer
 step on a zero gradient would still move the weights, which is not what "no signal"
-should do.
+should do. The decisions use the global figures, so every rank skips, or none.
+
+Under FSDP every rank must run the same sequence of forwards and backwards (each is a
+collective): ranks with fewer micro-batches run zero-weighted passes on one token, and
+prompts are shared only when every micro-batch of every rank has at least two generated
+positions (the shared path runs one forward for the prompts and one for the rest, the
+plain path one). With activation checkpointing the plain path is used: a recomputed
+forward would write the KV cache a second time.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import msgspec
 import torch
 
 from fleetrl.grpo import CorrectionConfig, policy_loss, replay_logprobs
 
-from .batch import Batch
+from .batch import Batch, split_rows
+from .collective import Collective, LocalCollective, gather_bytes
+from .fsdp import has_activation_checkpointing, is_sharded, use_sum_reduction
 from .prefix import plain_logits, shared_prompt_logits
 
 __all__ = ["StepMetrics", "build_optimizer", "load_into", "master_bf16", "train_step"]
@@ -91,85 +112,239 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, fl
                              foreach=False)
 
 
-def _staleness_hist(batch: Batch, trainer_version: int) -> dict[int, int]:
+class _Head(msgspec.Struct, frozen=True):
+    """A rank's figures before the forward (the whole-batch part of the metrics)."""
+
+    rows: int
+    tokens: int
+    signal: bool
+    """Some advantage of a row with generated tokens is non-zero."""
+    n_micro: int
+    multi: bool
+    """Every micro-batch has >= 2 generated positions (the shared forward runs twice)."""
+    rewards: list[float]
+    group_oldest: list[int]
+    breaks: dict[str, int]
+
+
+class _Sums(msgspec.Struct):
+    """A rank's sums over its micro-batches, combined over ranks by adding."""
+
+    numerator: float = 0.0
+    tokens_counted: float = 0.0
+    sequences_counted: float = 0.0
+    tokens_in_loss: float = 0.0
+    tokens_masked: float = 0.0
+    sequences_in_loss: float = 0.0
+    sequences_masked: float = 0.0
+    log_ratio_sum: float = 0.0
+    weight_sum: float = 0.0
+    centering_norm_sum: float = 0.0
+    k3_sum: float = 0.0
+    k3_tokens: int = 0
+    k3_by: dict[str, float] = {}
+    tokens_by: dict[str, int] = {}
+
+    def add(self, other: _Sums) -> None:
+        for f in self.__struct_fields__:
+            a, b = getattr(self, f), getattr(other, f)
+            if isinstance(a, dict):
+                merged = dict(a)
+                for k, v in b.items():
+                    merged[k] = merged.get(k, 0) + v
+                setattr(self, f, merged)
+            else:
+                setattr(self, f, a + b)
+
+
+def _all(collective: Collective, value, typ) -> list:
+    """Every rank's ``value`` (a msgspec struct), in rank order."""
+    if collective.world_size == 1:
+        return [value]
+    return [msgspec.msgpack.decode(b, type=typ) for b in gather_bytes(collective, msgspec.msgpack.encode(value))]
+
+
+def _head(batch: Batch, micro: Sequence[Batch]) -> _Head:
+    summary = batch.summary()
+    rows_with_tokens = batch.loss_mask.any(-1)
+    return _Head(
+        rows=int(batch.tokens.shape[0]), tokens=batch.n_tokens,
+        signal=bool(((batch.advantages != 0) & rows_with_tokens.to(batch.advantages.device)).any()),
+        n_micro=len(micro), multi=all(int(mb.loss_mask.sum(-1).max()) >= 2 for mb in micro),
+        rewards=[float(r) for r in summary.rewards.tolist()], group_oldest=[int(v) for v in summary.group_oldest.tolist()],
+        breaks=dict(summary.retokenization_breaks))
+
+
+def _base(heads: Sequence[_Head], pass_threshold: float, trainer_version: int) -> dict:
+    rewards = torch.tensor([r for h in heads for r in h.rewards], dtype=torch.float64)
     hist: dict[int, int] = {}
-    for g in range(batch.n_groups):
-        rows = batch.row_group == g
-        v = batch.versions[rows]
-        v = v[v >= 0]
-        if v.numel():
-            s = trainer_version - int(v.min())
-            hist[s] = hist.get(s, 0) + 1
-    return hist
+    for h in heads:
+        for v in h.group_oldest:
+            if v >= 0:
+                hist[trainer_version - v] = hist.get(trainer_version - v, 0) + 1
+    breaks: dict[str, int] = {}
+    for h in heads:
+        for k, n in h.breaks.items():
+            breaks[k] = breaks.get(k, 0) + n
+    return dict(
+        groups=sum(len(h.group_oldest) for h in heads),
+        trajectories=int(rewards.numel()),
+        rows=sum(h.rows for h in heads),
+        tokens=sum(h.tokens for h in heads),
+        reward_mean=float(rewards.mean()) if rewards.numel() else 0.0,
+        pass_rate=float((rewards >= pass_threshold).double().mean()) if rewards.numel() else 0.0,
+        staleness_hist=hist,
+        retokenization_breaks=breaks,
+    )
 
 
 @torch.no_grad()
-def _mismatch(logits_BTV: torch.Tensor, batch: Batch) -> tuple[float, dict[str, float], dict[str, int]]:
-    """k3 KL overall and per sampler kind, from replayed log p^S vs reported log q^S."""
+def _mismatch_sums(logits_BTV: torch.Tensor, batch: Batch, sums: _Sums) -> None:
+    """k3 KL sums overall and per sampler kind, from replayed log p^S vs reported log q^S."""
     lp, _ = replay_logprobs(logits_BTV, batch.tokens, batch.support_ids)
     m = batch.loss_mask
     lr = (lp.double() - batch.sampler_logprobs.double())
     k3 = torch.where(m, torch.expm1(lr) - lr, 0.0)
-    overall = float(k3.sum() / m.sum()) if m.any() else 0.0
-    by, counts = {}, {}
+    sums.k3_sum += float(k3.sum())
+    sums.k3_tokens += int(m.sum())
     owner = batch.token_sampler
     for i, key in enumerate(batch.sampler_keys):
         sel = m & (owner == i)
-        n = int(sel.sum())
-        counts[key] = n
-        by[key] = float(k3[sel].sum() / n) if n else 0.0
-    return overall, by, counts
+        sums.k3_by[key] = sums.k3_by.get(key, 0.0) + float(k3[sel].sum())
+        sums.tokens_by[key] = sums.tokens_by.get(key, 0) + int(sel.sum())
+
+
+def _micro_step(model: torch.nn.Module, mb: Batch, *, corrections: CorrectionConfig, temperature: float,
+                share: bool) -> _Sums:
+    """Forward ``mb``, backward the *sum* of its loss (gradients accumulate); its sums."""
+    logits_BTV = (shared_prompt_logits if share else plain_logits)(model, mb)
+    lg = logits_BTV.float() / temperature
+    loss_sum, m = policy_loss(lg, mb.tokens, mb.sampler_logprobs, mb.support_ids, mb.support_logprobs,
+                              mb.advantages, mb.loss_mask, corrections, reduction="sum")
+    sums = _Sums(**{k: m[k] for k in ("tokens_counted", "sequences_counted", "tokens_in_loss", "tokens_masked",
+                                      "sequences_in_loss", "sequences_masked", "log_ratio_sum", "weight_sum",
+                                      "centering_norm_sum")}, numerator=m["loss"])
+    _mismatch_sums(lg.detach(), mb, sums)
+    del logits_BTV, lg
+    loss_sum.backward()
+    return sums
+
+
+def _idle_pass(model: torch.nn.Module, device: torch.device, share: bool) -> None:
+    """A zero-weighted forward and backward on one token, with the same forward calls as
+    a real micro-batch, so a rank with fewer micro-batches joins FSDP's collectives."""
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+    if share:
+        out = model(input_ids=ids, use_cache=True)
+        rest = model(input_ids=ids, position_ids=torch.ones_like(ids), past_key_values=out.past_key_values,
+                     use_cache=True)
+        total = out.logits.float().sum() + rest.logits.float().sum()
+    else:
+        total = model(input_ids=ids, use_cache=False).logits.float().sum()
+    (total * 0.0).backward()
+
+
+def _sum_replicated_grads(params: Sequence[torch.Tensor], collective: Collective) -> None:
+    """Sum the gradients of a replicated (unsharded) model over ranks: one all-reduce.
+
+    A parameter without a gradient on every rank keeps none (AdamW then leaves it alone,
+    as in one process)."""
+    dtype, device = params[0].dtype, params[0].device
+    has = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=device)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in params]
+                     + [has])
+    flat = collective.all_reduce_sum(flat)
+    offset = 0
+    used = flat[-len(params):].tolist()
+    for p, u in zip(params, used):
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone() if u > 0 else None
+        offset += n
+
+
+def _stats(t: _Sums) -> dict:
+    n_loss, n_keep = t.tokens_in_loss, t.tokens_counted
+    return dict(
+        frac_masked_tokens=t.tokens_masked / n_loss if n_loss else 0.0,
+        frac_masked_sequences=t.sequences_masked / t.sequences_in_loss if t.sequences_in_loss else 0.0,
+        mismatch_kl_k3=t.k3_sum / t.k3_tokens if t.k3_tokens else 0.0,
+        mismatch_kl_by_sampler={k: (v / t.tokens_by[k] if t.tokens_by[k] else 0.0) for k, v in t.k3_by.items()},
+        tokens_by_sampler=dict(t.tokens_by),
+        log_ratio_mean=t.log_ratio_sum / n_loss if n_loss else 0.0,
+        centering_norm=t.centering_norm_sum / n_keep if n_keep else 0.0,
+        weight_mean=t.weight_sum / n_keep if n_keep else 0.0,
+    )
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *,
                corrections: CorrectionConfig, temperature: float, grad_clip: float,
                pass_threshold: float, step: int, trainer_version: int,
-               share_prompts: bool = True) -> StepMetrics:
+               share_prompts: bool = True, micro_batch_tokens: int | None = None,
+               collective: Collective | None = None) -> StepMetrics:
     """Train ``model`` on ``batch``; returns the step's metrics (``step`` = steps before it).
 
     ``trainer_version`` is the version the batch is trained against (for staleness).
     ``share_prompts`` computes each distinct prompt once (`shared_prompt_logits`); off,
     every row is forwarded in full (`plain_logits`). Both give the same logits to float
-    rounding.
+    rounding. ``micro_batch_tokens`` cuts the batch into micro-batches of at most that many
+    tokens (`split_rows`: rows x longest prompt + generated row; None: one micro-batch).
+    ``collective``: this rank's data-parallel group (None: one process); each rank passes
+    its own rows (e.g. `select_rows` of one shared batch: the rank holding row 0 carries the
+    batch's groups, trajectories and rewards) and every rank calls ``train_step`` with the
+    same arguments otherwise. The model is either sharded with FSDP2 over the same ranks
+    (`fleetrl.actors.trainer.fsdp.shard_model`) or replicated (identical on every rank).
+    The metrics describe the whole batch over all ranks (module docstring).
     """
     t0 = time.perf_counter()
+    if micro_batch_tokens is not None and (isinstance(micro_batch_tokens, bool)
+                                           or not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1):
+        raise ValueError(f"micro_batch_tokens must be None or an int >= 1, got {micro_batch_tokens!r}")
+    coll = LocalCollective() if collective is None else collective
     device = next(model.parameters()).device
-    if batch.input_ids.device != device:
-        batch = batch.to(device)
-    rewards = batch.rewards.double()
-    base = dict(
-        groups=batch.n_groups,
-        trajectories=int(rewards.numel()),
-        rows=int(batch.tokens.shape[0]),
-        tokens=batch.n_tokens,
-        reward_mean=float(rewards.mean()) if rewards.numel() else 0.0,
-        pass_rate=float((rewards >= pass_threshold).double().mean()) if rewards.numel() else 0.0,
-        staleness_hist=_staleness_hist(batch, trainer_version),
-        retokenization_breaks=dict(batch.retokenization_breaks),
-    )
-    if batch.n_tokens == 0 or not bool((batch.advantages != 0).any()):
+    if batch.tokens.shape[0] == 0:
+        micro: list[Batch] = []
+    elif micro_batch_tokens is None:
+        micro = [batch]
+    else:
+        micro = split_rows(batch, micro_batch_tokens)
+    heads = _all(coll, _head(batch, micro), _Head)
+    base = _base(heads, pass_threshold, trainer_version)
+    if base["tokens"] == 0 or not any(h.signal for h in heads):
         return StepMetrics(**base, step=step, skipped=True, skipped_reason="zero advantage",
                            step_s=time.perf_counter() - t0)
+    sharded = is_sharded(model)
+    if sharded:
+        use_sum_reduction(model)
+    share = share_prompts and not has_activation_checkpointing(model)
+    if sharded and coll.world_size > 1:
+        share = share and all(h.multi for h in heads)  # the same forward calls on every rank
+    n_micro = max(h.n_micro for h in heads)
     model.train()
-    logits_BTV = (shared_prompt_logits if share_prompts else plain_logits)(model, batch)
-    lg = logits_BTV.float() / temperature
-    loss, m = policy_loss(lg, batch.tokens, batch.sampler_logprobs, batch.support_ids,
-                          batch.support_logprobs, batch.advantages, batch.loss_mask, corrections)
-    kl, kl_by, counts = _mismatch(lg.detach(), batch)
-    stats = dict(
-        loss=m["loss"], frac_masked_tokens=m["frac_masked_tokens"],
-        frac_masked_sequences=m["frac_masked_sequences"], mismatch_kl_k3=kl,
-        mismatch_kl_by_sampler=kl_by, tokens_by_sampler=counts,
-        log_ratio_mean=m["log_ratio_mean"], centering_norm=m["centering_norm"],
-        weight_mean=m["weight_mean"],
-    )
-    if m["tokens_counted"] == 0:
+    optimizer.zero_grad(set_to_none=True)
+    local = _Sums()
+    for i in range(n_micro):
+        if i < len(micro):
+            mb = micro[i] if micro[i].input_ids.device == device else micro[i].to(device)
+            local.add(_micro_step(model, mb, corrections=corrections, temperature=temperature, share=share))
+        elif sharded and coll.world_size > 1:
+            _idle_pass(model, device, share)
+    total = _Sums()
+    for s in _all(coll, local, _Sums):
+        total.add(s)
+    count = total.tokens_counted if corrections.normalization == "token" else total.sequences_counted
+    stats = dict(loss=total.numerator / max(count, 1.0), **_stats(total))
+    if count == 0:
+        optimizer.zero_grad(set_to_none=True)
         return StepMetrics(**base, **stats, step=step, skipped=True, skipped_reason="every token masked",
                            step_s=time.perf_counter() - t0)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=False))
+    if coll.world_size > 1 and not sharded:
+        _sum_replicated_grads(params, coll)
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(count)
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=False)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         return StepMetrics(**base, **stats, step=step, grad_norm=grad_norm, skipped=True,
@@ -178,7 +353,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     optimizer.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
     return StepMetrics(**base, **stats, step=step + 1, grad_norm=grad_norm, step_s=dt,
-                       tokens_per_s=batch.n_tokens / dt if dt > 0 else 0.0)
+                       tokens_per_s=base["tokens"] / dt if dt > 0 else 0.0)
 
 
 def master_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,60 @@
+"""Loading a model directory of any supported family: its tensors, a transformers
+model in eval mode, or a trainer's fp32 master copy.
+
+Every loader first checks the directory's config (`families.read_model_config`), so an
+unsupported architecture fails here, naming its ``architectures`` entry, before any
+weight is read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .errors import ModelDirError
+from .families import read_model_config
+
+__all__ = ["load_master_weights", "load_model", "read_state_dict"]
+
+
+def read_state_dict(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The saved tensors of `directory` by their Hugging Face names (as stored, on CPU).
+
+    With tied embeddings the file has no `lm_head.weight`; readers use the embedding.
+    """
+    path = Path(directory)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelDirError(f"{path}: no *.safetensors weight file")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(file).items():
+            if name in tensors:
+                raise ModelDirError(f"{file}: tensor {name!r} is also in another weight file")
+            tensors[name] = tensor
+    return tensors
+
+
+def load_model(directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load a saved model of a supported family through `AutoModelForCausalLM`, in
+    `dtype`, in eval mode. Raises ModelDirError for an unsupported or broken directory."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(directory)
+    config = read_model_config(path)
+    if not sorted(path.glob("*.safetensors")):
+        raise ModelDirError(f"{path}: no *.safetensors weight file")
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    return model.eval()
+
+
+def load_master_weights(directory: str | os.PathLike[str]) -> torch.nn.Module:
+    """Load a saved model as fp32 master weights for a trainer (train mode, grads on)."""
+    model = load_model(directory, dtype=torch.float32)
+    model.train()
+    for param in model.parameters():
+        param.requires_grad_(True)
+    return model
