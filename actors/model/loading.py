@@ -23,7 +23,7 @@ __all__ = ["load_master_weights", "load_model", "read_state_dict"]
 def read_state_dict(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The saved tensors of `directory` by their Hugging Face names (as stored, on CPU).
 
-    With tied embeddings the file has no `lm_head.weight`; readers use the embedding.
+    With tied embeddings there is no `lm_head.weight` (a saved copy is dropped); readers use the embedding.
     """
     path = Path(directory)
     files = sorted(path.glob("*.safetensors"))
@@ -35,7 +35,22 @@ def read_state_dict(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor
             if name in tensors:
                 raise ModelDirError(f"{file}: tensor {name!r} is also in another weight file")
             tensors[name] = tensor
+    if "lm_head.weight" in tensors and _tied(path):
+        # some transformers releases save the tied head as well; it is the embedding
+        del tensors["lm_head.weight"]
     return tensors
+
+
+def _tied(path: Path) -> bool:
+    """Whether the directory's config.json ties the LM head to the embedding."""
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
 
 
 def load_model(directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -21,6 +21,18 @@ HERE = Path(__file__).resolve().parent
 IDENT = m.SamplerIdentity(sampler_id="s0", backend="torch", device_kind="cpu", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def worker():
+    """tests/trainer/dist_worker.py as a module: launches real 2-rank gloo groups
+    (`launch`) and gives the optimizer and step settings both sides use."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fleetrl_test_dist_worker", HERE / "dist_worker.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture
 def feed(actors_module):
     """The scripted actors of trainer_test_actors.py, importable by the daemon, their

@@ -6,7 +6,6 @@ uncommitted directories are ignored; a checkpoint before the first step resumes 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import pickle
 from pathlib import Path
 
@@ -23,15 +22,6 @@ from fleetrl.actors.trainer.step import StepMetrics, train_step
 
 SPEC = TinyLlamaSpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
                      initializer_range=0.3)
-
-
-@pytest.fixture(scope="module")
-def worker():
-    path = Path(__file__).resolve().parent / "dist_worker.py"
-    spec = importlib.util.spec_from_file_location("fleetrl_test_dist_worker", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")

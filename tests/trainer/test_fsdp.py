@@ -21,18 +21,6 @@ SPEC = TinyLlamaSpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, 
 
 
 @pytest.fixture(scope="module")
-def worker():
-    from pathlib import Path
-    import importlib.util
-
-    path = Path(__file__).resolve().parent / "dist_worker.py"
-    spec = importlib.util.spec_from_file_location("fleetrl_test_dist_worker", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
     return str(create_tiny_llama(tmp_path_factory.mktemp("fsdp") / "tiny", SPEC, seed=0))
 
