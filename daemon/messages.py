@@ -13,6 +13,9 @@ Each conversation is a closed tagged union wrapped in a `Codec` (see `protocol`)
   attempt, `RolloutGroup` per task group, `RolloutFailed` for an attempt that could
   not be scored (a failure is a message, not an exception).
 - `CONTROL`: `Pause`, `Resume`, `Shutdown`, `StatusRequest` / `StatusReply`.
+- `FEEDBACK`: trainer -> sampler pool, `SamplerMismatch` after each train step (what
+  the trainer measured of each sampler's tokens). Inside the daemon only: no remote
+  peer speaks it.
 
 Per-token arrays travel as `Tensor` (raw bytes), not as lists of numbers: for a
 typical trajectory (2,000 generated tokens, support K=20) encode+decode is 25-65x
@@ -35,10 +38,10 @@ from .protocol import PROTOCOL_VERSION, Codec, Message, Record, Tensor
 from .tokens import INT_DTYPES, SupportCSR, check_token_arrays, vector_length
 
 __all__ = [
-    "ALL_MESSAGES", "CONTROL", "FLEET", "ROLLOUTS", "SAMPLER", "WEIGHTS", "ActorStatus",
+    "ALL_MESSAGES", "CONTROL", "FEEDBACK", "FLEET", "ROLLOUTS", "SAMPLER", "WEIGHTS", "ActorStatus",
     "BlobRef", "FinishReason", "GenerateFailed", "GenerateRequest", "Generation",
-    "Heartbeat", "Join", "Leave", "Pause", "Refused", "Resume", "RolloutFailed",
-    "RolloutFailureKind", "RolloutGroup", "SamplerIdentity", "SamplerStatus",
+    "Heartbeat", "Join", "Leave", "MismatchFigures", "Pause", "Refused", "Resume", "RolloutFailed",
+    "RolloutFailureKind", "RolloutGroup", "SamplerIdentity", "SamplerMismatch", "SamplerStatus",
     "SamplingParams", "Shutdown", "StatusReply", "StatusRequest", "SupportCSR",
     "TokenChunk", "TokenSegment", "Trajectory", "Welcome", "WeightVersionAvailable",
 ]
@@ -398,6 +401,81 @@ class RolloutFailed(Message):
     group_id: str = ""
 
 
+# --------------------------------------------------------------------------- feedback
+
+
+class MismatchFigures(Record):
+    """The measured sampler-trainer mismatch of some generated tokens of one train step.
+
+    Per token ``t`` (a position in the loss): the log-ratio ``r_t = log p^S(a_t) -
+    log q^S(a_t)`` of the trainer's replayed probability of the sampled token to the
+    probability the sampler reported, both over the support the sampler reported
+    (docs/reference/corrections.md). ``kl_k3`` is the mean of ``exp(r) - 1 - r``
+    (the k3 estimate of KL(q^S || p^S) per token); ``frac_out_of_band`` the fraction of
+    the tokens whose ratio ``exp(r)`` lies outside the correction band ``[mask_low,
+    mask_high]``; ``log_ratio_mean`` / ``log_ratio_std`` the mean and population
+    standard deviation of ``r``; ``log_ratio_max_abs`` the largest ``|r|``. Over a
+    union of token sets the figures combine exactly (token-weighted means; the standard
+    deviation through the means, Chan et al.; the maximum of the maxima).
+
+    Plain values, not checked here: a diverged trainer may measure NaN, and its metrics
+    file must still hold it. `SamplerMismatch` checks what it carries.
+    """
+
+    tokens: NonNegInt
+    kl_k3: float
+    frac_out_of_band: float
+    log_ratio_mean: float
+    log_ratio_std: float
+    log_ratio_max_abs: float
+
+
+def _check_figures(f: MismatchFigures, where: str) -> None:
+    if isinstance(f.tokens, bool) or not isinstance(f.tokens, int) or f.tokens < 1:
+        raise ValueError(f"{where}.tokens must be an int >= 1, got {f.tokens!r}")
+    if not 0.0 <= f.frac_out_of_band <= 1.0:
+        raise ValueError(f"{where}.frac_out_of_band must be in [0, 1], got {f.frac_out_of_band!r}")
+    for name in ("kl_k3", "log_ratio_std", "log_ratio_max_abs"):
+        v = getattr(f, name)
+        if not v >= 0:  # NaN too; inf is allowed (an overflowed ratio)
+            raise ValueError(f"{where}.{name} must be >= 0 (not NaN), got {v!r}")
+    if math.isnan(f.log_ratio_mean):
+        raise ValueError(f"{where}.log_ratio_mean must not be NaN")
+
+
+class SamplerMismatch(Message):
+    """What the trainer measured of each sampler's tokens in one train step.
+
+    ``by_kind`` is keyed ``"backend/dtype"`` (the trainer's metric key); ``by_sampler``
+    holds one entry per sampler id, with the identity the tokens carried (so the pool
+    can label by device kind too). ``mask_low`` / ``mask_high``: the band the
+    out-of-band fraction was measured against. Every entry covers at least one token
+    and no figure is NaN (the trainer leaves out an entry it could not measure).
+    """
+
+    step: NonNegInt
+    """The trainer's optimizer steps after this one (as in its metrics)."""
+    version: NonNegInt
+    """The trainer's weight version after the step."""
+    mask_low: NonNegFloat
+    mask_high: float
+    by_kind: dict[str, MismatchFigures]
+    by_sampler: tuple[tuple[SamplerIdentity, MismatchFigures], ...]
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.mask_low < self.mask_high) or math.isnan(self.mask_high):
+            raise ValueError(f"SamplerMismatch band must satisfy 0 <= mask_low < mask_high, "
+                             f"got [{self.mask_low!r}, {self.mask_high!r}]")
+        for key, f in self.by_kind.items():
+            _check_figures(f, f"SamplerMismatch.by_kind[{key!r}]")
+        seen: set[str] = set()
+        for ident, f in self.by_sampler:
+            if ident.sampler_id in seen:
+                raise ValueError(f"SamplerMismatch.by_sampler names sampler {ident.sampler_id!r} twice")
+            seen.add(ident.sampler_id)
+            _check_figures(f, f"SamplerMismatch.by_sampler[{ident.sampler_id!r}]")
+
+
 # --------------------------------------------------------------------------- control
 
 
@@ -444,10 +522,11 @@ ROLLOUTS = Codec("rollouts", [Trajectory, RolloutGroup, RolloutFailed], error_re
 CONTROL = Codec(
     "control", [Pause, Resume, Shutdown, StatusRequest, StatusReply], error_reply=True
 )
+FEEDBACK = Codec("feedback", [SamplerMismatch])
 
 ALL_MESSAGES: tuple[type[Message], ...] = tuple(
     dict.fromkeys(
-        t for c in (SAMPLER, WEIGHTS, FLEET, ROLLOUTS, CONTROL) for t in c.types
+        t for c in (SAMPLER, WEIGHTS, FLEET, ROLLOUTS, CONTROL, FEEDBACK) for t in c.types
     )
 )
 """Every message type of every conversation (each once)."""

@@ -28,7 +28,7 @@ from typing import Any
 from .faults import StateDirLocked
 from .files import write_atomic
 
-__all__ = ["StateDir", "daemon_alive", "read_control", "read_token"]
+__all__ = ["StateDir", "client_host", "daemon_alive", "read_control", "read_token"]
 
 
 def _atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
@@ -151,6 +151,15 @@ def read_control(path: str | Path) -> tuple[str, int]:
     """(host, port) of the live daemon's control plane; raises FileNotFoundError."""
     data = json.loads((Path(path) / "control.json").read_text())
     return str(data["host"]), int(data["port"])
+
+
+def client_host(host: str) -> str:
+    """The address a local client dials for a server bound to ``host`` (wildcards -> loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 def read_token(path: str | Path) -> str:

@@ -22,7 +22,17 @@ import trio
 
 from .forkserver import ForkedProcess, ForkServer, ForkServerFailed
 
-__all__ = ["CommandOutcome", "kill_process_tree", "process_tree", "read_parent_map", "run_command", "tail_bytes"]
+__all__ = ["CommandOutcome", "exit_reason", "kill_process_tree", "process_tree", "read_parent_map", "run_command", "tail_bytes"]
+
+
+def exit_reason(code: int) -> str:
+    """A process's exit status in words (``killed by SIGKILL``, ``exited with status 2``)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def tail_bytes(buf: bytearray, data: bytes, cap: int) -> None:

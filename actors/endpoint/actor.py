@@ -32,7 +32,7 @@ import trio
 
 from fleetrl.actors.envworker.model import open_model
 from fleetrl.daemon.actor import ActorContext
-from fleetrl.daemon.state import read_control
+from fleetrl.daemon.state import client_host, read_control
 from fleetrl.harness.openai_api import AttemptRegistry, ToolCallCounts, create_app
 from fleetrl.harness.openai_limits import CallLimits
 
@@ -99,15 +99,6 @@ class EndpointHandle:
                                   answers_with_tool_calls=t.answers_with_tool_calls if t else 0,
                                   tool_calls=t.tool_calls if t else 0,
                                   tool_call_parse_failures=t.parse_failures if t else 0)
-
-
-def client_host(host: str) -> str:
-    """The address a local client dials for a server bound to ``host`` (wildcards -> loopback)."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
 
 
 def base_url_of(daemon_dir: Any) -> str:

@@ -1,20 +1,26 @@
 """`fleetrl sampler --join URL --token TOKEN ...`: run a remote sampler in this process.
 
 Registered in the ``fleetrl.commands`` entry-point group (``register``); also runnable as
-``python -m fleetrl.actors.pool.cli --join ...``. Exit codes: 0 after Ctrl-C, 2 for a bad
-command line or model, 3 when the daemon refuses the join (e.g. a wrong token).
+``python -m fleetrl.actors.pool.cli --join ...``, which is how the pool starts a sampler
+configured with ``process = true`` (`children`). Exit codes: 0 after Ctrl-C or SIGTERM, 2
+for a bad command line or model, 3 when the daemon refuses the join (e.g. a wrong
+token). With ``--parent-pid PID`` the sampler ends, with its whole process group when it
+leads one, as soon as its parent is no longer PID (the daemon that started it is gone).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+import time
 from typing import Any
 
 import trio
 
-__all__ = ["build_parser", "main", "register", "run_command"]
+__all__ = ["build_parser", "exit_with_parent", "main", "register", "run_command"]
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +33,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "fp8"), default="bf16")
     p.add_argument("--model", required=True, metavar="DIR", help="model directory (config.json + safetensors)")
     p.add_argument("--device", default="cpu", help="torch device for the torch backend (cpu, cuda, cuda:1)")
+    p.add_argument("--fp8-scheme", choices=("tensor", "row", "block128"), default="block128",
+                   help="scale granularity of an fp8 torch backend")
+    p.add_argument("--matmul", choices=("auto", "native", "fp32", "fp16_accumulate"), default="auto",
+                   help="how a low-precision torch backend multiplies (TorchBackendConfig.matmul)")
     p.add_argument("--price-per-hour", type=float, default=0.0, metavar="X",
                    help="what this device costs per hour (for cost-aware routing)")
     p.add_argument("--capacity", type=int, default=1, help="requests served at once")
@@ -37,6 +47,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-token", default=os.environ.get("FLEETRL_TOKEN"),
                    help="bearer token for the delta store (default: $FLEETRL_TOKEN)")
     p.add_argument("--name", default="", help="name shown in the daemon's logs")
+    p.add_argument("--parent-pid", type=int, default=None, metavar="PID",
+                   help="end (with this process's group, when it leads one) once the parent process is not PID "
+                        "(the daemon's child samplers: none outlives the daemon)")
 
 
 def register(subparsers: Any) -> None:
@@ -55,16 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the sampler until interrupted; returns the exit code."""
+    if args.parent_pid is not None:  # first: the imports below take seconds
+        exit_with_parent(args.parent_pid)
     import structlog
 
-    from .remote_client import JoinRefused, RemoteClientConfig, build_backend, run_remote
+    from .remote_client import JoinRefused, RemoteClientConfig, build_backend
 
     if not args.token:
         print("fleetrl sampler: --token is required (or set FLEETRL_FLEET_TOKEN)", file=sys.stderr)
         return 2
     try:
         cfg = RemoteClientConfig(join_url=args.join, token=args.token, backend=args.backend, dtype=args.dtype,
-                                 model_dir=args.model, device=args.device, price_per_hour=args.price_per_hour,
+                                 model_dir=args.model, device=args.device, fp8_scheme=args.fp8_scheme,
+                                 matmul=args.matmul, price_per_hour=args.price_per_hour,
                                  capacity=args.capacity, max_batch=args.max_batch, weights_url=args.weights,
                                  weights_token=args.weights_token, name=args.name)
         backend = build_backend(cfg)
@@ -73,13 +89,70 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     log = structlog.get_logger("fleetrl.sampler")
     try:
-        trio.run(lambda: run_remote(cfg, backend, log=log))
+        trio.run(_serve_until_terminated, cfg, backend, log)
     except JoinRefused as exc:
         print(f"fleetrl sampler: join refused: {exc}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         return 0
+    finally:
+        close = getattr(backend, "close", None)  # a vLLM engine: its memory and helper threads
+        if close is not None:
+            close()
     return 0
+
+
+async def _serve_until_terminated(cfg: Any, backend: Any, log: Any) -> None:
+    """`run_remote` until SIGTERM (then return: exit 0) or a refused join (raised)."""
+    from .remote_client import JoinRefused, run_remote
+
+    refused: JoinRefused | None = None
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            async def serve() -> None:
+                nonlocal refused
+                try:
+                    await run_remote(cfg, backend, log=log)
+                except JoinRefused as exc:
+                    refused = exc
+                nursery.cancel_scope.cancel()
+
+            async def terminate() -> None:
+                async for _ in signals:
+                    log.info("SIGTERM: leaving")
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(terminate)
+            nursery.start_soon(serve)
+    if refused is not None:
+        raise refused
+
+
+def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """End this process once its parent is no longer `parent_pid`: SIGKILL to its whole
+    process group when it leads one (a sampler started in a session of its own, with any
+    helper process its engine started), else ``os._exit(3)``.
+
+    A thread polls ``os.getppid()``: the kernel's parent-death signal would fire when the
+    parent *thread* that spawned us exits, and Trio starts processes from worker threads
+    that it retires while the child is still wanted.
+    """
+
+    def end() -> None:
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+
+    if os.getppid() != parent_pid:  # gone before we started watching
+        end()
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        end()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

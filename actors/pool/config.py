@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
+from fleetrl.daemon.config import RestartPolicy
 
 __all__ = ["LocalSamplerConfig", "PoolConfig"]
 
@@ -24,6 +26,25 @@ class LocalSamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """Requests served at once (what routing counts against)."""
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 64
     """Most requests in one backend call (concurrent requests are decoded as batches)."""
+    fp8_scheme: Literal["tensor", "row", "block128"] = "block128"
+    """Scale granularity of an fp8 torch sampler (``tensor``: one scale per matrix, the
+    coarsest; `fleetrl.actors.weights.quant`)."""
+    matmul: Literal["auto", "native", "fp32", "fp16_accumulate"] = "auto"
+    """How a torch sampler of a low precision multiplies (`TorchBackendConfig.matmul`);
+    ``fp16_accumulate`` (fp16 only) emulates fp16 accumulation."""
+    process: bool = False
+    """Run this sampler as a child process of the daemon that joins the pool over the
+    remote protocol (`fleetrl sampler --join`) under this id, restarted by the pool after
+    it exits (`PoolConfig.process_restart`): a native crash (vLLM) then cannot take the
+    daemon down (`fleetrl.actors.pool.children`). Needs the control plane ([http])."""
+
+    def __post_init__(self) -> None:
+        if self.matmul == "fp16_accumulate" and self.dtype != "fp16":
+            raise ValueError(f"sampler {self.id!r}: matmul = \"fp16_accumulate\" needs dtype = \"fp16\" "
+                             f"(got {self.dtype!r})")
+        if self.backend != "torch" and (self.fp8_scheme != "block128" or self.matmul != "auto"):
+            raise ValueError(f"sampler {self.id!r}: fp8_scheme and matmul are settings of the torch backend, "
+                             f"not of {self.backend}")
 
 
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -44,10 +65,30 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     health_interval_s: PosFloat = 10.0
     health_timeout_s: PosFloat = 30.0
     restart_backoff_s: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    """Delay before a taken-out in-process sampler is rebuilt."""
     samplers: tuple[LocalSamplerConfig, ...] = ()
-    """Local samplers."""
+    """Local samplers (in the daemon's process, or child processes with ``process = true``)."""
     weights_dir: str | None = None
     """A local delta store (actors/weights LocalDirStore) that local samplers follow."""
+    weights_prefix: str = "/weights"
+    """Where the control plane serves the store of ``weights_dir`` (the trainer mounts its
+    delta store at ``/weights``): child sampler processes follow it there over HTTP."""
+    process_restart: RestartPolicy = RestartPolicy(backoff_base_s=1.0, backoff_max_s=60.0, intensity=5,
+                                                   period_s=600.0)
+    """Restarts of child sampler processes (the keys of ``[supervisor.restart]``): the delay
+    grows from ``backoff_base_s`` by ``backoff_factor`` with each exit within ``period_s``;
+    more than ``intensity`` exits within ``period_s`` fail the pool actor."""
+    process_start_timeout_s: PosFloat = 600.0
+    """A child sampler process must join (and join again after a lost connection) within
+    this, or it is killed and restarted (a vLLM engine start takes a minute on a slow CPU)."""
+    wait_for_processes: bool = False
+    """Hand out the pool (start the actors listed after it) only once every child sampler
+    process has joined, waiting at most ``process_start_timeout_s`` (then it starts with a
+    warning): a run that must use its vLLM sampler from the first step (the ablation's hard
+    regime) sets it; by default the pool serves with whoever is there and children join
+    when they are ready."""
+    process_grace_s: PosFloat = 10.0
+    """At shutdown a child sampler gets SIGTERM, then SIGKILL after this many seconds."""
     join: bool = True
     """Mount the join endpoint for remote samplers at ``join_prefix`` on the control plane."""
     join_prefix: str = "/fleet"
@@ -66,3 +107,12 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"samplers: duplicate id(s) {', '.join(dup)}")
+        taken = [i for i in ids if _REMOTE_ID.match(i)]
+        if taken:
+            raise ValueError(f"samplers: id(s) {', '.join(taken)} look like the ids the pool gives joining "
+                             "remote samplers (remote-N); choose another")
+        if not re.fullmatch(r"(/[A-Za-z0-9_.-]+)+", self.weights_prefix):
+            raise ValueError(f"weights_prefix {self.weights_prefix!r} must look like '/weights' (no trailing slash)")
+
+
+_REMOTE_ID = re.compile(r"^remote-[0-9]+$")

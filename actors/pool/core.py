@@ -29,7 +29,23 @@ What the pool guarantees:
 * pacing: ``async with pool.attempt(id)`` admits an attempt only while it cannot end
   up staler than ``max_staleness`` (`pacing`), and `released` hands finished attempts
   on in admission order (the order the bound assumes the trainer takes them in);
-  nothing finished is dropped.
+  nothing finished is dropped. The pacer's bound needs every token of an admitted
+  attempt to come from weights at least as new as the version it was admitted with
+  (the fleet's oldest then); so while an attempt is in flight, no request is routed to
+  a sampler older than the newest such promise (`Pacer.floor`; the requests do not say
+  which attempt they belong to). A sampler that joins, or restarts, with older weights
+  waits until it has caught up;
+* stale-group reports (`on_stale_group`, the trainer's `StaleGroup` rejections) are
+  acted on: counted by reason; the pacing allowance is lowered by the excess staleness
+  (fewer attempts run ahead of the trainer; it comes back gradually, `pacing`); samplers
+  whose weights the trainer already refuses (older than ``trainer_version -
+  max_staleness`` of the report) are asked to sync again (every version follower is
+  re-sent the newest version; those on it fetch nothing) and get no requests while a
+  sampler at least that new is live (they are deprioritised, never the only ones left
+  idle with work waiting);
+* the trainer's mismatch measurements (`record_mismatch`, `SamplerMismatch`) are kept
+  per sampler and per (backend, device kind, dtype) in the registry, which the
+  ``fleetrl_sampler_mismatch_kl`` gauge reads.
 """
 
 from __future__ import annotations
@@ -43,6 +59,7 @@ from typing import Any
 import msgspec
 import trio
 
+from fleetrl.actors.buffer import StaleGroup
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.streams import stream_or_once
 
@@ -73,6 +90,15 @@ class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Finished attempts waiting for earlier ones (release in admission order)."""
     stale_reports: int
     """Stale-group reports the trainer sent."""
+    stale_by_reason: dict[str, int] = {}
+    """The same by reason (``too_stale`` at admission, ``expired`` in the trainer's queue)."""
+    pacing_allowance: int = 0
+    """The staleness the pacer admits attempts with now (<= max_staleness; lowered by
+    stale-group reports, restored gradually)."""
+    resyncs: int = 0
+    """Times a stale-group report made the pool re-send the newest version to its followers."""
+    mismatch_reports: int = 0
+    """Mismatch measurements the trainer sent (`SamplerMismatch`)."""
 
 
 class PacedAttempt:
@@ -91,7 +117,7 @@ class SamplerPool:
     def __init__(self, *, policy: str = "least_loaded", max_staleness: int = 2,
                  max_latency_s: float = math.inf, request_timeout_s: float = 600.0,
                  max_tries: int = 5, attempts_per_step: int = 64, trainer_version: int = 0,
-                 affinity: bool = True, log: Any = None) -> None:
+                 affinity: bool = True, log: Any = None, restore_versions: int = 4) -> None:
         self.policy_name = policy
         self._policy = policy_named(policy)
         self.affinity: AffinityTable | None = AffinityTable() if affinity else None
@@ -105,7 +131,7 @@ class SamplerPool:
         self.trainer_version = trainer_version
         self.latest: m.WeightVersionAvailable | None = None
         self.pacer = Pacer(max_staleness=max_staleness, attempts_per_step=attempts_per_step,
-                           start_version=trainer_version)
+                           start_version=trainer_version, restore_versions=restore_versions)
         self.log = log
         self._changed = trio.Event()
         self._inflight: dict[str, set[trio.CancelScope]] = {}
@@ -116,6 +142,12 @@ class SamplerPool:
         self.rerouted = 0
         self.failed = 0
         self.stale_reports = 0
+        self.stale_by_reason: dict[str, int] = {}
+        self.resyncs = 0
+        self._resync_at = -1  # trainer version of the last resync
+        self.lag_floor = 0
+        """Samplers older than this are deprioritised (`on_stale_group`)."""
+        self.mismatch_reports = 0
         self._ids = itertools.count(1)
 
     def statistics(self) -> PoolStatistics:
@@ -125,7 +157,9 @@ class SamplerPool:
                               samplers_remote=sum(1 for r in live if r.remote), answered=self.answered,
                               rerouted=self.rerouted, failed=self.failed,
                               attempts_in_flight=self.pacer.in_flight, attempts_waiting=self.pacer.waiting,
-                              stale_reports=self.stale_reports)
+                              stale_reports=self.stale_reports, stale_by_reason=dict(self.stale_by_reason),
+                              pacing_allowance=self.pacer.allowance, resyncs=self.resyncs,
+                              mismatch_reports=self.mismatch_reports)
 
     # -- membership ---------------------------------------------------------------------
     def add(self, handle: SamplerHandle, identity: m.SamplerIdentity, *, price_per_hour: float,
@@ -202,16 +236,21 @@ class SamplerPool:
         self._notify()
 
     # -- pacing ---------------------------------------------------------------------------
+    def promised_version(self) -> int:
+        """The oldest weight version a new attempt's tokens may come from: the fleet's
+        oldest live version (no newer than the trainer's), raised to ``trainer_version -
+        allowance`` (older samplers are kept off the attempt by the pacer's floor)."""
+        oldest = self.registry.oldest_live_version()
+        oldest = self.trainer_version if oldest is None else min(oldest, self.trainer_version)
+        return max(oldest, self.trainer_version - self.pacer.allowance, 0)
+
     async def admit(self, attempt_id: str) -> Admission:
         """Wait until a new attempt may start without risking the staleness bound.
         Every admitted attempt must be ended with `finish` (or use `attempt`)."""
         while True:
-            oldest = self.registry.oldest_live_version()
-            oldest = self.trainer_version if oldest is None else min(oldest, self.trainer_version)
-            # routing never uses weights older than trainer_version - max_staleness
-            oldest = max(oldest, self.trainer_version - self.max_staleness)
-            adm = self.pacer.try_admit(attempt_id, oldest)
+            adm = self.pacer.try_admit(attempt_id, self.promised_version())
             if adm is not None:
+                self._notify()  # the floor may have risen
                 return adm
             await self._wait_change()
 
@@ -220,18 +259,61 @@ class SamplerPool:
         attempt whose predecessors have all ended moves, in admission order, to the
         releases that `released` hands out."""
         self.pacer.finish(attempt_id, result, failed=failed)
-        ready = self.pacer.take_ready()
-        if ready:
-            self._ready.extend(ready)
-            self._notify()
+        self._ready.extend(self.pacer.take_ready())
+        self._notify()  # releases, or a lower floor
 
     async def released(self) -> list[tuple[Admission, Any, bool]]:
         """Wait for released attempts and take them: ``(admission, result, failed)`` in
         admission order. The bound assumes the trainer consumes results in this order."""
         while not self._ready:
             await self._wait_change()
+        return self.released_nowait()
+
+    def released_nowait(self) -> list[tuple[Admission, Any, bool]]:
+        """`released` without waiting: what has been released so far (maybe nothing)."""
         out, self._ready = self._ready, []
         return out
+
+    # -- the trainer's reports --------------------------------------------------------------
+    def on_stale_group(self, msg: StaleGroup, nursery: trio.Nursery | None = None) -> None:
+        """The trainer refused a group as too stale (``msg``): count it, lower the pacing
+        allowance (`Pacer.tighten`), and deprioritise and resync the samplers whose
+        weights the trainer would refuse (see the module docstring). ``nursery`` runs
+        the version followers (the one given to `announce`); without it nothing is re-sent."""
+        self.stale_reports += 1
+        self.stale_by_reason[msg.reason] = self.stale_by_reason.get(msg.reason, 0) + 1
+        excess = msg.staleness - msg.max_staleness
+        if self.pacer.tighten(excess, msg.trainer_version):
+            self._emit("pacing allowance lowered", allowance=self.pacer.allowance, max_staleness=self.max_staleness,
+                       group=msg.group_id, staleness=msg.staleness, accepted=msg.max_staleness, level="warning")
+        cutoff = msg.trainer_version - msg.max_staleness  # the trainer refuses tokens older than this
+        if cutoff > self.lag_floor:
+            self.lag_floor = cutoff
+            self._notify()
+        lagging = sorted(r.sampler_id for r in self.registry.records() if r.alive and r.version < cutoff)
+        if not lagging or self._resync_at >= self.trainer_version:
+            return  # once per trainer version: the reports of one step come together
+        self._resync_at = self.trainer_version
+        self._emit("samplers lag behind what the trainer accepts", samplers=lagging, oldest_accepted=cutoff,
+                   level="warning")
+        if nursery is not None and self.latest is not None:
+            self.resyncs += 1
+            for listener in list(self._listeners):
+                nursery.start_soon(listener, self.latest)
+
+    def record_mismatch(self, msg: m.SamplerMismatch) -> None:
+        """Keep the trainer's measurements of the samplers' tokens (`SamplerMismatch`):
+        per sampler on its record (when it is registered), and per (backend, device kind,
+        dtype) the token-weighted k3 KL of the samplers of that kind in this report."""
+        self.mismatch_reports += 1
+        kinds: dict[tuple[str, str, str], list[m.MismatchFigures]] = {}
+        for ident, fig in msg.by_sampler:
+            self.registry.record_sampler_mismatch(ident.sampler_id, fig, version=msg.version)
+            kinds.setdefault((ident.backend, ident.device_kind, ident.dtype), []).append(fig)
+        for (backend, device, dtype), figs in kinds.items():
+            tokens = sum(f.tokens for f in figs)
+            self.registry.report_mismatch(backend, device, dtype, sum(f.kl_k3 * f.tokens for f in figs) / tokens,
+                                          version=msg.version)
 
     @asynccontextmanager
     async def attempt(self, attempt_id: str) -> AsyncIterator[PacedAttempt]:
@@ -254,8 +336,16 @@ class SamplerPool:
 
     # -- serving --------------------------------------------------------------------------
     def bounds(self, request: m.GenerateRequest) -> Bounds:
+        """The request's routing bounds: its own ``min_version``, raised to the pacer's
+        floor (an attempt in flight was promised weights at least that new) and to the
+        lag floor while some live sampler is that new."""
+        floor = max(request.min_version, self.pacer.floor or 0)
+        if self.lag_floor > floor:
+            newest = max((r.version for r in self.registry.records() if r.alive), default=None)
+            if newest is not None:
+                floor = max(floor, min(self.lag_floor, newest))
         return Bounds(trainer_version=self.trainer_version, max_staleness=self.max_staleness,
-                      min_version=request.min_version, max_latency_s=self.max_latency_s)
+                      min_version=floor, max_latency_s=self.max_latency_s)
 
     async def _route(self, request: m.GenerateRequest, key: bytes | None) -> str:
         """The sampler for `request`: with affinity (`key` given), the one holding other

@@ -11,8 +11,11 @@ sampler, each second is split equally among them, so a request's busy seconds ar
 integral of ``1/n`` over the time it ran, and the requests' shares add up to the
 sampler's busy time. `started` returns a mark; `ended` turns it into the request's
 busy seconds (the pool prices them into `Generation.cost_usd`).
-The trainer reports the measured mismatch (k3 KL against its own log-probs) per
-(backend, device kind, dtype); the registry keeps the latest figure for each.
+The trainer reports the measured mismatch of each sampler's tokens after every step
+(`MismatchFigures`: k3 KL against its own log-probs, out-of-band fraction, log-ratio
+spread): the registry keeps the latest figures of each sampler on its record
+(`record_sampler_mismatch`) and the latest k3 KL per (backend, device kind, dtype)
+(`report_mismatch`, which the pool's ``fleetrl_sampler_mismatch_kl`` gauge reads).
 
 Time is passed in (``now``), so the bookkeeping is testable without a clock.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fleetrl.daemon.messages import SamplerIdentity
+from fleetrl.daemon.messages import MismatchFigures, SamplerIdentity
 
 from .routing import SamplerView
 from .errors import UnknownSampler
@@ -47,6 +50,10 @@ class SamplerRecord:
     failures: int = 0
     busy_s: float = 0.0
     latency_total_s: float = 0.0
+    mismatch: MismatchFigures | None = None
+    """The trainer's latest measurement of this sampler's tokens (None: none yet)."""
+    mismatch_version: int = -1
+    """The trainer's version after the step that measured ``mismatch``."""
     _busy_since: float | None = field(default=None, repr=False)
     _share: float = field(default=0.0, repr=False)
     """Integral of 1 / running over busy time so far (seconds per running request)."""
@@ -95,6 +102,7 @@ class Registry:
     def __init__(self) -> None:
         self._records: dict[str, SamplerRecord] = {}
         self.mismatch_kl: dict[tuple[str, str, str], float] = {}
+        self._mismatch_at: dict[tuple[str, str, str], int] = {}  # the version of each figure
 
     def add(self, identity: SamplerIdentity, *, price_per_hour: float, capacity: int, remote: bool,
             version: int = 0, digest: str = "", now: float = 0.0) -> SamplerRecord:
@@ -193,11 +201,29 @@ class Registry:
             rec.last_seen = now
         return charged
 
-    def report_mismatch(self, backend: str, device_kind: str, dtype: str, kl: float) -> None:
-        """The trainer's measured k3 KL between this kind of sampler and itself."""
+    def report_mismatch(self, backend: str, device_kind: str, dtype: str, kl: float, *,
+                        version: int | None = None) -> None:
+        """The trainer's measured k3 KL between this kind of sampler and itself (after
+        the step that ended at ``version``: a figure older than the one kept is ignored)."""
         if not kl >= 0:
             raise ValueError(f"mismatch KL must be >= 0, got {kl} for ({backend}, {device_kind}, {dtype})")
-        self.mismatch_kl[(backend, device_kind, dtype)] = kl
+        key = (backend, device_kind, dtype)
+        if version is not None:
+            if version < self._mismatch_at.get(key, -1):
+                return
+            self._mismatch_at[key] = version
+        self.mismatch_kl[key] = kl
+
+    def record_sampler_mismatch(self, sampler_id: str, figures: MismatchFigures, *, version: int) -> bool:
+        """The trainer's measurement of a sampler's tokens in the step that ended at
+        ``version``; kept on its record unless a newer one is there.
+        False when the sampler is not registered (it left; its figures go nowhere)."""
+        rec = self._records.get(sampler_id)
+        if rec is None:
+            return False
+        if version >= rec.mismatch_version:
+            rec.mismatch, rec.mismatch_version = figures, version
+        return True
 
     # -- routing snapshot -------------------------------------------------------------
     def views(self, now: float) -> list[SamplerView]:

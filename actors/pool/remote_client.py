@@ -88,13 +88,18 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     dtype: DTypeName = "bf16"
     model_dir: str = ""
     device: str = "cpu"
+    fp8_scheme: Literal["tensor", "row", "block128"] = "block128"
+    """Scale granularity of an fp8 torch backend (`TorchBackendConfig.fp8_scheme`)."""
+    matmul: Literal["auto", "native", "fp32", "fp16_accumulate"] = "auto"
+    """How a low-precision torch backend multiplies (`TorchBackendConfig.matmul`)."""
     price_per_hour: float = 0.0
     capacity: int = 1
     """Requests served at once (sent in `Join`: the daemon never sends more)."""
     max_batch: int = 64
     """Most requests in one backend call."""
     name: str = ""
-    """Shown in logs; the daemon assigns the sampler id."""
+    """Shown in logs; the daemon assigns the sampler id (a child process of the pool gets
+    the id configured for it: its token claims it, `remote_server.Reservations`)."""
     weights_url: str | None = None
     """Base URL of the daemon's delta store (actors/weights' blob app); None: no following."""
     weights_token: str | None = None
@@ -116,6 +121,12 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if not (0 < self.backoff_base_s <= self.backoff_max_s):
             raise ValueError("backoff_base_s must be > 0 and <= backoff_max_s")
+        if self.fp8_scheme not in ("tensor", "row", "block128"):
+            raise ValueError(f"fp8_scheme must be tensor, row or block128, got {self.fp8_scheme!r}")
+        if self.matmul not in ("auto", "native", "fp32", "fp16_accumulate"):
+            raise ValueError(f"matmul must be auto, native, fp32 or fp16_accumulate, got {self.matmul!r}")
+        if self.backend != "torch" and (self.fp8_scheme != "block128" or self.matmul != "auto"):
+            raise ValueError(f"fp8_scheme and matmul are settings of the torch backend, not of {self.backend}")
 
 
 def build_backend(cfg: RemoteClientConfig) -> Any:
@@ -124,7 +135,8 @@ def build_backend(cfg: RemoteClientConfig) -> Any:
         raise ValueError("a model directory is needed (--model DIR)")
     if cfg.backend == "torch":
         from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
-        return TorchBackend(TorchBackendConfig(model_dir=cfg.model_dir, dtype=cfg.dtype, device=cfg.device))
+        return TorchBackend(TorchBackendConfig(model_dir=cfg.model_dir, dtype=cfg.dtype, device=cfg.device,
+                                               fp8_scheme=cfg.fp8_scheme, matmul=cfg.matmul))
     from fleetrl.actors.samplers.vllm_backend import VllmBackend, VllmBackendConfig
     return VllmBackend(VllmBackendConfig(model_dir=cfg.model_dir, dtype=cfg.dtype))
 

@@ -16,7 +16,12 @@ One binary WebSocket message = one msgpack message of the `FLEET` conversation:
    (code 1008) only after ``refuse_linger_s``. Closing at once would race the peer's
    close inside hypercorn (`_close_after_peer`).
 2. daemon -> sampler: `Welcome` (assigned sampler id, run id, protocol, heartbeat
-   interval, newest weight version).
+   interval, newest weight version). A sampler that joined with the fleet token gets a
+   fresh id ``remote-N``. The pool's own child processes (`children`) join with a token
+   of their own instead, one per process start, which `Reservations` maps to the
+   sampler id configured for them: that is how a child serves under its configured id.
+   A reserved id held by another live sampler is refused (``sampler id ... is already
+   held``); the same child reconnecting replaces its own earlier connection.
 3. sampler -> daemon: `SamplerStatus` once its weights are current; only then does it
    get requests. It sends another after every version switch.
 4. both ways: `Heartbeat` at least every ``heartbeat_s``. The daemon sends
@@ -27,11 +32,15 @@ One binary WebSocket message = one msgpack message of the `FLEET` conversation:
    frame that does not decode is answered with `Rejected` and the conversation goes on.
 5. `Leave`, a closed connection, or ``heartbeat_timeout_s`` of silence: the sampler is
    taken out and the requests it held are routed to others (`SamplerPool.mark_dead`).
+   A sampler the pool takes out for another reason (a failed health check, a request
+   held past ``request_timeout_s``) has its connection closed at its next message, so a
+   sampler that is still alive reconnects and joins afresh instead of lingering unused.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -50,10 +59,77 @@ from .auth import token_matches
 from .core import SamplerPool
 from .errors import SamplerLost
 
-__all__ = ["CLOSE_POLICY", "RemoteSampler", "fleet_app"]
+__all__ = ["CLOSE_POLICY", "RemoteSampler", "Reservation", "Reservations", "fleet_app"]
 
 CLOSE_POLICY = 1008
 """WebSocket close code of a refused join."""
+
+
+class Reservation:
+    """A sampler id reserved for one start of one child process: the token that claims
+    it, and the connection that holds it now (``handle``, None while none does)."""
+
+    def __init__(self, sampler_id: str, token: str) -> None:
+        self.sampler_id = sampler_id
+        self.token = token
+        self.handle: RemoteSampler | None = None
+        self.joins = 0
+        """Connections that joined the pool with this reservation."""
+        self._changed = trio.Event()
+
+    def __repr__(self) -> str:  # never print the credential
+        return f"Reservation(sampler_id={self.sampler_id!r}, joins={self.joins})"
+
+    def connected(self, handle: RemoteSampler) -> None:
+        self.handle = handle
+        self.joins += 1
+        self._notify()
+
+    def disconnected(self, handle: RemoteSampler) -> None:
+        if self.handle is handle:
+            self.handle = None
+            self._notify()
+
+    async def wait_joined(self) -> RemoteSampler:
+        """Wait until a connection holds the id; that connection's handle."""
+        while self.handle is None:
+            await self._changed.wait()
+        return self.handle
+
+    async def wait_left(self, handle: RemoteSampler) -> None:
+        """Wait until `handle` no longer holds the id."""
+        while self.handle is handle:
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+class Reservations:
+    """The sampler ids reserved for the pool's child processes (`children`), by token."""
+
+    def __init__(self) -> None:
+        self._held: list[Reservation] = []
+
+    def reserve(self, sampler_id: str) -> Reservation:
+        """A new reservation of `sampler_id` with a fresh random token (an earlier
+        reservation of the same id should be released first)."""
+        r = Reservation(sampler_id, secrets.token_urlsafe(32))
+        self._held.append(r)
+        return r
+
+    def release(self, reservation: Reservation) -> None:
+        """The token stops being accepted (a connection that holds the id keeps it)."""
+        self._held = [r for r in self._held if r is not reservation]
+
+    def claim(self, token: str) -> Reservation | None:
+        """The reservation whose token `token` is (compared in constant time), or None."""
+        found = None
+        for r in self._held:
+            if token_matches(token, r.token):
+                found = r
+        return found
 
 
 class RemoteSampler:
@@ -152,12 +228,16 @@ class _Pending:
         self.wake = trio.Event()
 
 
-def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float = 2.0,
-              heartbeat_timeout_s: float = 10.0, refuse_linger_s: float = 2.0) -> Starlette:
+def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s: float = 2.0,
+              heartbeat_timeout_s: float = 10.0, refuse_linger_s: float = 2.0,
+              reservations: Reservations | None = None) -> Starlette:
     """The ASGI app with the ``/join`` WebSocket route (see the module docstring).
-    `refuse_linger_s`: how long a refused peer is given to hang up before the daemon
-    closes the connection itself (`_close_after_peer`)."""
+    `token`: the fleet token (None: only the `reservations`' tokens are accepted, the
+    pool's child processes). `refuse_linger_s`: how long a refused peer is given to hang
+    up before the daemon closes the connection itself (`_close_after_peer`)."""
     codec = m.FLEET
+    if token is None and reservations is None:
+        raise ValueError("fleet_app: neither a fleet token nor reservations: nobody could join")
 
     async def join(ws: WebSocket) -> None:
         await ws.accept()
@@ -196,14 +276,24 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
         if not isinstance(hello, m.Join):
             await refuse(f"first message must be Join, got {type(hello).__name__}")
             return
-        if not token_matches(hello.token, token):
+        reservation = reservations.claim(hello.token) if reservations is not None else None
+        if reservation is None and (token is None or not token_matches(hello.token, token)):
             await refuse("wrong fleet token")
             return
         if hello.protocol < 1 or hello.protocol > PROTOCOL_VERSION:
             await refuse(f"protocol {hello.protocol} not supported (this daemon speaks 1..{PROTOCOL_VERSION})")
             return
         price = hello.price_per_hour or legacy_price
-        sid = pool.new_sampler_id("remote")
+        if reservation is None:
+            sid = pool.new_sampler_id("remote")
+        else:
+            sid = reservation.sampler_id
+            held = pool.handles.get(sid)
+            if held is not None and held is reservation.handle:  # our own earlier connection
+                pool.mark_dead(sid, "the same process joined again")
+            elif held is not None:
+                await refuse(f"sampler id {sid!r} is already held by another live sampler")
+                return
         identity = m.SamplerIdentity(sampler_id=sid, backend=hello.identity.backend,
                                      device_kind=hello.identity.device_kind, dtype=hello.identity.dtype)
         handle = RemoteSampler(sid, send, capacity=hello.capacity, heartbeat_timeout_s=heartbeat_timeout_s)
@@ -239,6 +329,11 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
                             why = f"silent for {heartbeat_timeout_s} s (or disconnected)"
                             peer_gone = True  # or silent: then nothing is waited for
                             break
+                        if joined and pool.handles.get(sid) is not handle:
+                            # taken out (health check, request timeout, the same child joining
+                            # again): end the conversation, so a live sampler joins afresh
+                            why = "taken out of the pool"
+                            break
                         handle.last_heard = trio.current_time()
                         try:
                             msg = codec.decode(data)
@@ -255,6 +350,8 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
                                 pool.add(handle, identity, price_per_hour=price, capacity=hello.capacity,
                                          remote=True, version=msg.version, digest=msg.digest)
                                 joined = True
+                                if reservation is not None:
+                                    reservation.connected(handle)
                             else:
                                 pool.set_sampler_version(sid, msg.version, msg.digest)
                         elif isinstance(msg, m.Leave):
@@ -272,7 +369,10 @@ def fleet_app(pool: SamplerPool, *, token: str, run_id: str, heartbeat_s: float 
             why = f"{type(exc).__name__}: {exc}"
         finally:
             handle.lose(why)
-            pool.mark_dead(sid, why)
+            if pool.handles.get(sid) is handle:  # a reserved id may be held by a newer connection by now
+                pool.mark_dead(sid, why)
+            if reservation is not None:
+                reservation.disconnected(handle)
             with trio.CancelScope(shield=True):
                 try:
                     if peer_gone:

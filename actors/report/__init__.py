@@ -8,10 +8,11 @@ docs/guides/report.md says what each plot shows.
 
 from .records import EvalRow, Log, ReportInputError, parse_evals, parse_metrics, read_evals, read_metrics
 from .report import REPORT_FILE, write_report
-from .summary import Summary, bound_ratio_band, summarize
+from .summary import (MismatchMultiple, Summary, bound_ratio_band, fleet_kl, fleet_mismatch_multiple,
+                      run_mismatch_multiple, summarize)
 
 __all__ = [
-    "EvalRow", "Log", "REPORT_FILE", "ReportInputError", "Summary",
-    "bound_ratio_band", "parse_evals", "parse_metrics", "read_evals", "read_metrics",
-    "summarize", "write_report",
+    "EvalRow", "Log", "MismatchMultiple", "REPORT_FILE", "ReportInputError", "Summary",
+    "bound_ratio_band", "fleet_kl", "fleet_mismatch_multiple", "parse_evals", "parse_metrics", "read_evals",
+    "read_metrics", "run_mismatch_multiple", "summarize", "write_report",
 ]

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from fleetrl.actors.trainer.step import StepMetrics
 
 from .records import EvalRow
-from .summary import SPLITS, bound_ratio_band, eval_series, kl_series, staleness_total
+from .summary import SPLITS, bound_ratio_band, eval_series, kl_series, sampler_kl_series, staleness_total
 
 __all__ = [
     "PLOTS", "plot_delta_ratio", "plot_grad_norm", "plot_learning", "plot_mismatch_kl",
@@ -90,27 +90,53 @@ def plot_grad_norm(steps: Sequence[StepMetrics], path: Path) -> Path:
     return save(fig, path)
 
 
-def plot_mismatch_kl(steps: Sequence[StepMetrics], path: Path) -> Path:
-    """k3 estimate of KL(sampler || trainer) per token, one line per sampler kind."""
-    fig = Figure(figsize=(8, 4))
-    ax = fig.subplots()
-    series = kl_series(steps)
-    values = [y for _, ys in series.values() for y in ys if math.isfinite(y)]
-    for key, (xs, ys) in series.items():
+def _kl_axis(ax: Axes, series: dict[str, tuple[list[int], list[float]]], title: str, *,
+             fleet: tuple[list[int], list[float]] | None = None) -> None:
+    values = [y for _, ys, *_ in series.values() for y in ys if math.isfinite(y)]
+    for key, (xs, ys, *_) in series.items():
         fx, fy = _finite(xs, ys)
         if fx:
             ax.plot(fx, fy, marker=".", label=key)
+    if fleet is not None and fleet[0]:
+        fx, fy = _finite(*fleet)
+        ax.plot(fx, fy, color="black", linestyle="--", linewidth=1, label="fleet (all tokens)")
     if values:
         if min(values) > 0:
             ax.set_yscale("log")
         else:
             ax.set_yscale("symlog", linthresh=1e-6)
-        ax.legend(loc="best", title="backend/dtype")
+        ax.legend(loc="best", title=title, fontsize="small")
     else:
-        _empty(ax, "sampler mismatch")
-    ax.set_title("Sampler-trainer mismatch KL by sampler precision")
-    ax.set_xlabel("trainer step")
+        _empty(ax, f"sampler mismatch {title}")
     ax.set_ylabel("KL per token (k3)")
+
+
+def plot_mismatch_kl(steps: Sequence[StepMetrics], path: Path) -> Path:
+    """k3 estimate of KL(sampler || trainer) per token: per sampler kind with the whole
+    fleet's (top), per sampler (middle); the fraction of each sampler's tokens whose
+    ratio is outside the correction band (bottom)."""
+    fig = Figure(figsize=(8, 10))
+    top, mid, bottom = fig.subplots(3, 1, sharex=True)
+    measured = [r for r in steps if sum(r.tokens_by_sampler.values())]
+    _kl_axis(top, kl_series(steps), "backend/dtype",
+             fleet=([r.step for r in measured], [r.mismatch_kl_k3 for r in measured]))
+    top.set_title("Sampler-trainer mismatch KL by sampler precision")
+    samplers = sampler_kl_series(steps)
+    _kl_axis(mid, samplers, "sampler")
+    mid.set_title("Sampler-trainer mismatch KL by sampler")
+    drawn = False
+    for key, (xs, _, band) in samplers.items():
+        fx, fy = _finite(xs, [100 * b for b in band])
+        if fx:
+            drawn = True
+            bottom.plot(fx, fy, marker=".", label=key)
+    if drawn:
+        bottom.legend(loc="best", title="sampler", fontsize="small")
+    else:
+        _empty(bottom, "per-sampler mismatch")
+    bottom.set_title("Tokens outside the correction band")
+    bottom.set_ylabel("% of the sampler's tokens")
+    bottom.set_xlabel("trainer step")
     return save(fig, path)
 
 
@@ -161,8 +187,10 @@ PLOTS: dict[str, tuple[str, str]] = {
                      "Training reward and pass rate per step; held-out pass@1 on fresh and "
                      "generalisation tasks with confidence bands."),
     "grad_norm.png": ("Gradient norm", "Global gradient norm before clipping."),
-    "mismatch_kl.png": ("Mismatch KL by sampler precision",
-                        "How far each sampler kind's distribution is from the trainer's."),
+    "mismatch_kl.png": ("Mismatch by sampler",
+                        "How far each sampler kind's and each sampler's distribution is from the "
+                        "trainer's (k3 KL per token; the dashed line is the whole fleet), and how many of "
+                        "each sampler's tokens fall outside the correction band."),
     "staleness.png": ("Staleness", "Trained groups by versions behind the trainer."),
     "delta_ratio.png": ("Delta ratio vs entropy bound",
                         "Weight-delta compression against the entropy bound's band."),

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from fleetrl.actors.evaluator.records import EvalRecord
-from fleetrl.actors.trainer.step import StepMetrics
+from fleetrl.actors.trainer.step import MismatchFigures, StepMetrics
 
 from .errors import ReportInputError
 
@@ -70,6 +70,8 @@ def _eval_row(raw: dict[str, Any]) -> EvalRow:
 _FIELDS = msgspec.structs.fields(StepMetrics)
 _FLOATS = frozenset(f.name for f in _FIELDS if f.type is float)
 _FLOAT_MAPS = frozenset(f.name for f in _FIELDS if f.type == dict[str, float])
+_FIGURE_MAPS = frozenset(f.name for f in _FIELDS if f.type == dict[str, MismatchFigures])
+_FIGURE_FLOATS = frozenset(f.name for f in msgspec.structs.fields(MismatchFigures) if f.type is float)
 
 
 def _int_key(key: object) -> int:
@@ -88,6 +90,10 @@ def _as_step_metrics(raw: dict[str, Any]) -> StepMetrics:
     for name in _FLOAT_MAPS & out.keys():
         if isinstance(out[name], dict):
             out[name] = {k: float("nan") if v is None else v for k, v in out[name].items()}
+    for name in _FIGURE_MAPS & out.keys():
+        if isinstance(out[name], dict):
+            out[name] = {k: ({f: float("nan") if f in _FIGURE_FLOATS and x is None else x for f, x in v.items()}
+                             if isinstance(v, dict) else v) for k, v in out[name].items()}
     hist = out.get("staleness_hist")
     if isinstance(hist, dict):
         out["staleness_hist"] = {_int_key(k): v for k, v in hist.items()}

@@ -13,16 +13,21 @@ import msgspec
 
 from fleetrl.actors.weights.metrics import binary_entropy
 
-from fleetrl.actors.trainer.step import StepMetrics
+from fleetrl.actors.trainer.step import MismatchFigures, StepMetrics, combine_figures
 
 from .records import EvalRow
 
 __all__ = [
-    "BF16_BITS", "SPLITS", "Summary", "bound_ratio_band", "eval_series", "kl_series",
-    "last_eval", "first_eval", "breaks_total", "staleness_total", "summarize", "window_mean",
+    "BF16_BITS", "FP32_REFERENCE", "SPLITS", "MismatchMultiple", "MismatchRow", "Summary", "bound_ratio_band",
+    "eval_series", "fleet_kl", "fleet_mismatch_multiple", "kl_series", "last_eval", "first_eval", "breaks_total",
+    "mismatch_table", "run_mismatch_multiple", "sampler_kl_series", "staleness_total", "summarize", "window_mean",
 ]
 
 SPLITS = ("fresh", "general")
+FP32_REFERENCE = "torch/float32"
+"""The sampler kind whose own mismatch is the homogeneous-fp32 reference: a torch
+sampler computing in fp32, the trainer's own precision (what is left is staleness and
+the two forwards' rounding)."""
 BF16_BITS = 16
 #: steps averaged for the "start" and "end" training reward
 REWARD_WINDOW = 5
@@ -95,6 +100,120 @@ def kl_series(steps: Sequence[StepMetrics]) -> dict[str, tuple[list[int], list[f
     return out
 
 
+def sampler_kl_series(steps: Sequence[StepMetrics]) -> dict[str, tuple[list[int], list[float], list[float]]]:
+    """Per sampler id: (steps, k3 KL, out-of-band fraction) of the steps in which it
+    generated tokens (from ``mismatch_by_sampler_id``; empty for older metrics files)."""
+    out: dict[str, tuple[list[int], list[float], list[float]]] = {}
+    for row in steps:
+        for sid, f in sorted(row.mismatch_by_sampler_id.items()):
+            if f.tokens == 0:
+                continue
+            xs, kl, band = out.setdefault(sid, ([], [], []))
+            xs.append(row.step)
+            kl.append(f.kl_k3)
+            band.append(f.frac_out_of_band)
+    return out
+
+
+class MismatchRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One sampler kind's (or sampler's) mismatch over a whole run: its figures over
+    every token it produced in the logged steps (`combine_figures`)."""
+
+    key: str
+    """``"backend/dtype"``, or the sampler id."""
+    label: str = ""
+    """For a sampler: ``"backend/device kind/dtype"``."""
+    steps: int
+    """Steps in which it produced tokens."""
+    figures: MismatchFigures
+
+
+def mismatch_table(steps: Sequence[StepMetrics], *, by: str = "kind") -> list[MismatchRow]:
+    """The run's mismatch per sampler kind (``by="kind"``) or per sampler id
+    (``by="sampler"``), sorted by key: every step's figures combined, token-weighted."""
+    if by not in ("kind", "sampler"):
+        raise ValueError(f"mismatch_table: by must be 'kind' or 'sampler', got {by!r}")
+    parts: dict[str, list[MismatchFigures]] = {}
+    labels: dict[str, str] = {}
+    for row in steps:
+        table = row.mismatch_by_kind if by == "kind" else row.mismatch_by_sampler_id
+        for key, f in table.items():
+            if f.tokens:
+                parts.setdefault(key, []).append(f)
+        for ident in row.sampler_identities:
+            labels.setdefault(ident.sampler_id, f"{ident.backend}/{ident.device_kind}/{ident.dtype}")
+    return [MismatchRow(key=k, label=labels.get(k, "") if by == "sampler" else "", steps=len(fs),
+                        figures=combine_figures(fs)) for k, fs in sorted(parts.items())]
+
+
+def fleet_kl(steps: Sequence[StepMetrics]) -> tuple[float, int]:
+    """The fleet's mismatch over ``steps``: the k3 KL of all their measured tokens, every
+    sampler together, token-weighted (from ``mismatch_kl_by_sampler`` and
+    ``tokens_by_sampler``, so older metrics files count too); and those tokens. A step
+    skipped before its forward measured nothing and counts for nothing. (nan, 0) when
+    nothing was measured."""
+    total, tokens = 0.0, 0
+    for row in steps:
+        for key, kl in row.mismatch_kl_by_sampler.items():
+            n = row.tokens_by_sampler.get(key, 0)
+            if n:
+                total += kl * n
+                tokens += n
+    return (total / tokens if tokens else math.nan), tokens
+
+
+class MismatchMultiple(msgspec.Struct, frozen=True, kw_only=True):
+    """The fleet's mismatch as a multiple of a homogeneous fp32 fleet's."""
+
+    fleet_kl: float
+    """Token-weighted k3 KL of every sampler's tokens in the steps compared."""
+    fleet_tokens: int
+    reference_kl: float
+    """The reference's k3 KL in its steps (see ``reference``)."""
+    reference_tokens: int
+    steps: int
+    """Steps compared."""
+    multiple: float | None
+    """``fleet_kl / reference_kl``; None when the reference measured exactly 0."""
+    reference: str
+    """What the reference is, in words."""
+
+
+def _multiple(fleet: tuple[float, int], ref: tuple[float, int], steps: int, reference: str) -> MismatchMultiple:
+    return MismatchMultiple(fleet_kl=fleet[0], fleet_tokens=fleet[1], reference_kl=ref[0], reference_tokens=ref[1],
+                            steps=steps, multiple=fleet[0] / ref[0] if ref[0] > 0 else None, reference=reference)
+
+
+def fleet_mismatch_multiple(steps: Sequence[StepMetrics], reference: str = FP32_REFERENCE) -> MismatchMultiple | None:
+    """Within one run: the fleet's k3 KL over the steps in which a ``reference`` sampler
+    (an fp32 torch sampler, by default) produced tokens, divided by that sampler kind's
+    own k3 KL in the same steps. Both saw the same trainer versions and staleness, so the
+    multiple is what the fleet's precisions add on top of a homogeneous fp32 fleet.
+    None when no step had tokens of the reference kind."""
+    same = [r for r in steps if r.tokens_by_sampler.get(reference, 0) > 0 and reference in r.mismatch_kl_by_sampler]
+    if not same:
+        return None
+    ref = [msgspec.structs.replace(r, mismatch_kl_by_sampler={reference: r.mismatch_kl_by_sampler[reference]})
+           for r in same]
+    return _multiple(fleet_kl(same), fleet_kl(ref), len(same), f"its {reference} samplers in the same steps")
+
+
+def run_mismatch_multiple(run: Sequence[StepMetrics], reference_run: Sequence[StepMetrics], *,
+                          reference: str = "the reference run") -> MismatchMultiple | None:
+    """Between two runs (an ablation arm and its homogeneous-fp32 ``sync_fp32`` arm): the
+    fleet k3 KL of ``run`` divided by the fleet k3 KL of ``reference_run``, both over
+    the optimizer steps that both runs measured (the same step numbers: mismatch moves
+    as training goes). None when they measured no step in common."""
+    def measured(rows: Sequence[StepMetrics]) -> dict[int, StepMetrics]:
+        return {r.step: r for r in rows if any(r.tokens_by_sampler.get(k, 0) for k in r.mismatch_kl_by_sampler)}
+
+    a, b = measured(run), measured(reference_run)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    return _multiple(fleet_kl([a[s] for s in common]), fleet_kl([b[s] for s in common]), len(common), reference)
+
+
 def staleness_total(steps: Sequence[StepMetrics]) -> dict[int, int]:
     """Trained groups by staleness, summed over every step."""
     total: dict[int, int] = {}
@@ -140,6 +259,14 @@ class Summary(msgspec.Struct, frozen=True, kw_only=True):
     """Files whose cut-short last line was left out."""
     retokenization_breaks: Mapping[str, int] = {}
     """Breaks in the trained trajectories' token streams, by cause, summed over the steps."""
+    mismatch_by_kind: tuple[MismatchRow, ...] = ()
+    """The run's measured sampler-trainer mismatch per sampler kind (`mismatch_table`)."""
+    mismatch_by_sampler: tuple[MismatchRow, ...] = ()
+    """The same per sampler id."""
+    fleet_mismatch_kl: float | None = None
+    """Token-weighted k3 KL of every measured token of the run (None: nothing measured)."""
+    mismatch_multiple: MismatchMultiple | None = None
+    """The fleet's mismatch as a multiple of its fp32 torch samplers' (`fleet_mismatch_multiple`)."""
 
 
 def _usd(steps: Sequence[StepMetrics]) -> float | None:
@@ -154,6 +281,7 @@ def summarize(steps: Sequence[StepMetrics], evals: Sequence[EvalRow], *,
               truncated: Sequence[str] = ()) -> Summary:
     rewards = [r.reward_mean for r in steps]
     times = sorted(r.time for r in evals)
+    fleet = fleet_kl(steps)
     return Summary(
         steps=max((r.step for r in steps), default=0),
         skipped_steps=sum(1 for r in steps if r.skipped),
@@ -169,4 +297,8 @@ def summarize(steps: Sequence[StepMetrics], evals: Sequence[EvalRow], *,
         usd_per_rollout=_usd(steps),
         truncated=tuple(truncated),
         retokenization_breaks=breaks_total(steps),
+        mismatch_by_kind=tuple(mismatch_table(steps, by="kind")),
+        mismatch_by_sampler=tuple(mismatch_table(steps, by="sampler")),
+        fleet_mismatch_kl=fleet[0] if fleet[1] else None,
+        mismatch_multiple=fleet_mismatch_multiple(steps),
     )

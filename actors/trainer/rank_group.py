@@ -26,6 +26,8 @@ from pathlib import Path
 
 import msgspec
 
+from fleetrl.harness.processes import exit_reason
+
 from .config import TrainerConfig
 from .errors import RanksFailed
 from .rank_protocol import FrameReader, RankError, RankReply, Ready, Start, frame, decode_reply
@@ -52,15 +54,6 @@ def free_port(addr: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return int(s.getsockname()[1])
-
-
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 class RankGroup:
@@ -129,7 +122,7 @@ class RankGroup:
         if not exited:
             return None
         exited.sort(key=lambda x: (x[2] >= 0, x[0]))
-        return ", ".join(f"rank {rank} (pid {pid}) {_exit_reason(code)}" for rank, pid, code in exited)
+        return ", ".join(f"rank {rank} (pid {pid}) {exit_reason(code)}" for rank, pid, code in exited)
 
     def dead_within(self, timeout_s: float) -> str | None:
         """`dead` after waiting up to ``timeout_s`` for a rank to exit (a rank whose peer died

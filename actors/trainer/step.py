@@ -19,6 +19,17 @@ by the global normaliser once, clipped by their global norm, and AdamW steps. So
 split into micro-batches and ranks gives the one-batch step to fp32 rounding, and every
 metric means what it means for the whole batch.
 
+Mismatch. Every step that runs its forward measures, per token, the log-ratio ``r =
+log p^S(a) - log q^S(a)`` of the trainer's replayed probability of the sampled token to
+the sampler's reported one (temperature applied, over the reported support), and
+reports it for all tokens together and per sampler kind (``"backend/dtype"``) and per
+sampler id (`MismatchFigures`): the k3 KL ``mean(exp(r) - 1 - r)``, the fraction of
+tokens whose ratio ``exp(r)`` is outside the correction band ``[mask_low, mask_high]``
+(measured against the configured band whatever the weighting, so it says how much a
+mask would drop), and the spread of ``r``: its mean, population standard deviation and
+largest ``|r|``. Quantiles would not add up over micro-batches and ranks; these do,
+exactly (`_Mismatch.add`).
+
 A step is *skipped* (weights and optimizer state untouched) when no token can carry a
 gradient: every advantage is zero (zero-variance groups), or the corrections masked every
 token, or the gradient is not finite. With weight decay or Adam momentum an optimizer
@@ -42,14 +53,17 @@ from collections.abc import Mapping, Sequence
 import msgspec
 import torch
 
+from fleetrl.daemon.messages import MismatchFigures, SamplerIdentity
 from fleetrl.grpo import CorrectionConfig, policy_loss, replay_logprobs
+from fleetrl.grpo.weights import in_band
 
 from .batch import Batch, split_rows
 from .collective import Collective, LocalCollective, gather_bytes
 from .fsdp import has_activation_checkpointing, is_sharded, use_sum_reduction
 from .prefix import plain_logits, shared_prompt_logits
 
-__all__ = ["StepMetrics", "build_optimizer", "load_into", "master_bf16", "train_step"]
+__all__ = ["MismatchFigures", "StepMetrics", "build_optimizer", "combine_figures", "load_into", "master_bf16",
+           "train_step"]
 
 
 class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +116,19 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     """``cost_usd`` / trajectories of the batch."""
     skipped: bool = False
     skipped_reason: str = ""
+    frac_out_of_band: float = 0.0
+    """Fraction of the batch's tokens whose ratio p^S/q^S is outside ``[mask_low,
+    mask_high]`` (whatever the weighting; module docstring)."""
+    log_ratio_std: float = 0.0
+    """Population standard deviation of log p^S - log q^S over the batch's tokens."""
+    log_ratio_max_abs: float = 0.0
+    """Largest |log p^S - log q^S| of the batch."""
+    mismatch_by_kind: dict[str, MismatchFigures] = {}
+    """The measured mismatch per sampler kind ``"backend/dtype"`` (kinds with tokens)."""
+    mismatch_by_sampler_id: dict[str, MismatchFigures] = {}
+    """The same per sampler id."""
+    sampler_identities: tuple[SamplerIdentity, ...] = ()
+    """The identities of the sampler ids of ``mismatch_by_sampler_id`` (device kind included)."""
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
@@ -127,6 +154,76 @@ class _Head(msgspec.Struct, frozen=True):
     breaks: dict[str, int]
 
 
+def _nanmax(a: float, b: float) -> float:
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+class _Mismatch(msgspec.Struct):
+    """The mismatch of a set of tokens, in a form that combines exactly over a union of
+    disjoint sets (`add`): counts and sums add, the mean and the sum of squared
+    deviations combine by Chan, Golub and LeVeque's pairwise update, maxima by max."""
+
+    tokens: int = 0
+    k3_sum: float = 0.0
+    out_of_band: int = 0
+    mean: float = 0.0
+    """Mean log-ratio."""
+    m2: float = 0.0
+    """Sum of squared deviations of the log-ratio from ``mean``."""
+    max_abs: float = 0.0
+
+    @staticmethod
+    def of(log_ratio: torch.Tensor, out_of_band: torch.Tensor) -> _Mismatch:
+        """The figures of the tokens whose log-ratios (any shape) are given, with the
+        flags of those outside the band."""
+        r = log_ratio.double().reshape(-1)
+        n = int(r.numel())
+        if n == 0:
+            return _Mismatch()
+        mean = float(r.mean())
+        return _Mismatch(tokens=n, k3_sum=float((torch.expm1(r) - r).sum()), out_of_band=int(out_of_band.sum()),
+                         mean=mean, m2=float(((r - mean) ** 2).sum()), max_abs=float(r.abs().max()))
+
+    def add(self, other: _Mismatch) -> None:
+        if other.tokens == 0:
+            return
+        if self.tokens == 0:
+            for f in self.__struct_fields__:
+                setattr(self, f, getattr(other, f))
+            return
+        n = self.tokens + other.tokens
+        delta = other.mean - self.mean
+        self.m2 = self.m2 + other.m2 + delta * delta * self.tokens * other.tokens / n
+        self.mean = self.mean + delta * other.tokens / n
+        self.tokens = n
+        self.k3_sum += other.k3_sum
+        self.out_of_band += other.out_of_band
+        self.max_abs = _nanmax(self.max_abs, other.max_abs)
+
+    def figures(self) -> MismatchFigures:
+        n = self.tokens
+        if n == 0:
+            return MismatchFigures(tokens=0, kl_k3=0.0, frac_out_of_band=0.0, log_ratio_mean=0.0, log_ratio_std=0.0,
+                                   log_ratio_max_abs=0.0)
+        return MismatchFigures(tokens=n, kl_k3=self.k3_sum / n, frac_out_of_band=self.out_of_band / n,
+                               log_ratio_mean=self.mean, log_ratio_std=math.sqrt(self.m2 / n) if self.m2 >= 0
+                               else math.nan, log_ratio_max_abs=self.max_abs)
+
+    @staticmethod
+    def from_figures(f: MismatchFigures) -> _Mismatch:
+        return _Mismatch(tokens=f.tokens, k3_sum=f.kl_k3 * f.tokens, out_of_band=round(f.frac_out_of_band * f.tokens),
+                         mean=f.log_ratio_mean, m2=f.log_ratio_std ** 2 * f.tokens, max_abs=f.log_ratio_max_abs)
+
+
+def combine_figures(parts: Sequence[MismatchFigures]) -> MismatchFigures:
+    """The figures of the union of disjoint token sets, from each set's figures (exact up
+    to float rounding: token-weighted means, the pooled standard deviation, the maximum)."""
+    total = _Mismatch()
+    for f in parts:
+        total.add(_Mismatch.from_figures(f))
+    return total.figures()
+
+
 class _Sums(msgspec.Struct):
     """A rank's sums over its micro-batches, combined over ranks by adding."""
 
@@ -140,18 +237,25 @@ class _Sums(msgspec.Struct):
     log_ratio_sum: float = 0.0
     weight_sum: float = 0.0
     centering_norm_sum: float = 0.0
-    k3_sum: float = 0.0
-    k3_tokens: int = 0
-    k3_by: dict[str, float] = {}
-    tokens_by: dict[str, int] = {}
+    fleet: _Mismatch = msgspec.field(default_factory=_Mismatch)
+    by_kind: dict[str, _Mismatch] = {}
+    by_id: dict[str, _Mismatch] = {}
+    identities: dict[str, SamplerIdentity] = {}
 
     def add(self, other: _Sums) -> None:
         for f in self.__struct_fields__:
             a, b = getattr(self, f), getattr(other, f)
-            if isinstance(a, dict):
-                merged = dict(a)
+            if f == "identities":
+                self.identities = {**b, **a}  # the first seen wins
+            elif isinstance(a, _Mismatch):
+                a.add(b)
+            elif isinstance(a, dict):
+                merged = {k: (msgspec.structs.replace(v) if isinstance(v, _Mismatch) else v) for k, v in a.items()}
                 for k, v in b.items():
-                    merged[k] = merged.get(k, 0) + v
+                    if isinstance(v, _Mismatch):
+                        merged.setdefault(k, _Mismatch()).add(v)
+                    else:
+                        merged[k] = merged.get(k, 0) + v
                 setattr(self, f, merged)
             else:
                 setattr(self, f, a + b)
@@ -199,19 +303,22 @@ def _base(heads: Sequence[_Head], pass_threshold: float, trainer_version: int) -
 
 
 @torch.no_grad()
-def _mismatch_sums(logits_BTV: torch.Tensor, batch: Batch, sums: _Sums) -> None:
-    """k3 KL sums overall and per sampler kind, from replayed log p^S vs reported log q^S."""
+def _mismatch_sums(logits_BTV: torch.Tensor, batch: Batch, sums: _Sums, band: tuple[float, float]) -> None:
+    """The mismatch of ``batch``'s loss tokens (replayed log p^S vs reported log q^S)
+    overall, per sampler kind and per sampler id, added to ``sums``."""
     lp, _ = replay_logprobs(logits_BTV, batch.tokens, batch.support_ids)
     m = batch.loss_mask
-    lr = (lp.double() - batch.sampler_logprobs.double())
-    k3 = torch.where(m, torch.expm1(lr) - lr, 0.0)
-    sums.k3_sum += float(k3.sum())
-    sums.k3_tokens += int(m.sum())
-    owner = batch.token_sampler
-    for i, key in enumerate(batch.sampler_keys):
-        sel = m & (owner == i)
-        sums.k3_by[key] = sums.k3_by.get(key, 0.0) + float(k3[sel].sum())
-        sums.tokens_by[key] = sums.tokens_by.get(key, 0) + int(sel.sum())
+    lr = lp.double() - batch.sampler_logprobs.double()
+    out = ~in_band(lr, *band)
+    sums.fleet.add(_Mismatch.of(lr[m], out[m]))
+    for owner, names, into in ((batch.token_sampler, batch.sampler_keys, sums.by_kind),
+                               (batch.token_identity, [s.sampler_id for s in batch.sampler_identities], sums.by_id)):
+        for i, name in enumerate(names):
+            sel = m & (owner == i)
+            if bool(sel.any()):
+                into.setdefault(name, _Mismatch()).add(_Mismatch.of(lr[sel], out[sel]))
+    for ident in batch.sampler_identities:
+        sums.identities.setdefault(ident.sampler_id, ident)
 
 
 def _micro_step(model: torch.nn.Module, mb: Batch, *, corrections: CorrectionConfig, temperature: float,
@@ -224,7 +331,7 @@ def _micro_step(model: torch.nn.Module, mb: Batch, *, corrections: CorrectionCon
     sums = _Sums(**{k: m[k] for k in ("tokens_counted", "sequences_counted", "tokens_in_loss", "tokens_masked",
                                       "sequences_in_loss", "sequences_masked", "log_ratio_sum", "weight_sum",
                                       "centering_norm_sum")}, numerator=m["loss"])
-    _mismatch_sums(lg.detach(), mb, sums)
+    _mismatch_sums(lg.detach(), mb, sums, (corrections.mask_low, corrections.mask_high))
     del logits_BTV, lg
     loss_sum.backward()
     return sums
@@ -264,12 +371,21 @@ def _sum_replicated_grads(params: Sequence[torch.Tensor], collective: Collective
 
 def _stats(t: _Sums) -> dict:
     n_loss, n_keep = t.tokens_in_loss, t.tokens_counted
+    fleet = t.fleet.figures()
+    by_kind = {k: v.figures() for k, v in sorted(t.by_kind.items()) if v.tokens}
+    by_id = {k: v.figures() for k, v in sorted(t.by_id.items()) if v.tokens}
     return dict(
         frac_masked_tokens=t.tokens_masked / n_loss if n_loss else 0.0,
         frac_masked_sequences=t.sequences_masked / t.sequences_in_loss if t.sequences_in_loss else 0.0,
-        mismatch_kl_k3=t.k3_sum / t.k3_tokens if t.k3_tokens else 0.0,
-        mismatch_kl_by_sampler={k: (v / t.tokens_by[k] if t.tokens_by[k] else 0.0) for k, v in t.k3_by.items()},
-        tokens_by_sampler=dict(t.tokens_by),
+        mismatch_kl_k3=fleet.kl_k3,
+        mismatch_kl_by_sampler={k: f.kl_k3 for k, f in by_kind.items()},
+        tokens_by_sampler={k: f.tokens for k, f in by_kind.items()},
+        frac_out_of_band=fleet.frac_out_of_band,
+        log_ratio_std=fleet.log_ratio_std,
+        log_ratio_max_abs=fleet.log_ratio_max_abs,
+        mismatch_by_kind=by_kind,
+        mismatch_by_sampler_id=by_id,
+        sampler_identities=tuple(t.identities[k] for k in by_id),
         log_ratio_mean=t.log_ratio_sum / n_loss if n_loss else 0.0,
         centering_norm=t.centering_norm_sum / n_keep if n_keep else 0.0,
         weight_mean=t.weight_sum / n_keep if n_keep else 0.0,

@@ -8,7 +8,13 @@ apply, for the elements the delta touched:
 * :class:`CastFollower` - fp16 / fp32 samplers: the touched values are cast again;
 * :class:`Fp8Follower` - fp8 samplers: the touched tensors, rows or 128-row block bands
   are re-quantized with :func:`.quant.quantize_fp8`, the trainer's own quantizer, so
-  every fp8 sampler of a version holds exactly the bytes of a fresh quantization.
+  every fp8 sampler of a version holds exactly the bytes of a fresh quantization
+  (of every tensor, or only of the ``only`` ones: an fp8 sampler keeps its embeddings
+  and norms in bf16).
+
+:meth:`Follower.take_touched` says which tensors changed since it was last called
+(every tensor after an anchor reset, and at first): a sampler that follows a stream
+hands its backend only those (`fleetrl.actors.pool.local.WeightSync`).
 
 :meth:`Follower.sync` (and :meth:`Follower.sync_async` for HTTP) read the manifest,
 plan with :func:`.manifest.plan_catchup`, fetch and apply; weights that fail a target
@@ -18,7 +24,7 @@ hash (corrupted) or a full :meth:`Follower.verify` fall back to the anchor route
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 import msgspec
@@ -29,11 +35,11 @@ import trio
 from . import codec
 from .errors import BlobIntegrityError, BlobNotFound, ManifestError
 from .manifest import MANIFEST_REF, CatchupPlan, Manifest, decode_manifest, plan_catchup
-from .quant import BLOCK, Scheme, as_2d_shape, quantize_fp8
+from .quant import BLOCK, SCHEMES, Scheme, as_2d_shape, quantize_fp8
 from .store import BlobStore, key_of
 from .version import NO_VERSION, Layout, TensorSpec, chunk_hashes, digest_of, u16_view
 
-__all__ = ["BlobSource", "AsyncBlobSource", "StoreSource", "SyncReport", "Follower",
+__all__ = ["BlobSource", "AsyncBlobSource", "StoreSource", "SyncReport", "Touched", "Follower",
            "CastFollower", "Fp8Follower", "BlobIntegrityError"]
 
 
@@ -73,6 +79,15 @@ class SyncReport(msgspec.Struct, frozen=True):
     apply_s: float
 
 
+class Touched(msgspec.Struct, frozen=True):
+    """The tensors a follower changed since they were last taken (:meth:`Follower.take_touched`)."""
+
+    names: tuple[str, ...]
+    """Their names, in layout order (every name when ``full``)."""
+    full: bool
+    """An anchor reset the weights (or nothing was taken yet): every tensor is new."""
+
+
 class Follower:
     """A bf16 follower: ``weights`` are the canonical bf16 tensors (CPU)."""
 
@@ -86,6 +101,8 @@ class Follower:
         self._zero_digest: bytes | None = None
         self.version: int | None = None
         self.digest: bytes | None = None
+        self._touched: set[int] = set()  # tensor indices changed since take_touched
+        self._full = True  # every tensor counts as changed (an anchor, or nothing taken yet)
 
     @classmethod
     def from_manifest(cls, m: Manifest, **kw) -> Follower:
@@ -104,12 +121,25 @@ class Follower:
         """Recompute the digest of the shadow; False if it is not the recorded one."""
         return self.version is not None and digest_of(chunk_hashes(self.layout, self._arrays)) == self.digest
 
+    def take_touched(self) -> Touched:
+        """The tensors changed by :meth:`apply` since the last call (all of them after an
+        anchor, or on the first call), and forget them."""
+        names = [s.name for s in self.layout.specs]
+        if self._full:
+            out = Touched(tuple(names), True)
+        else:
+            out = Touched(tuple(names[i] for i in sorted(self._touched)), False)
+        self._touched, self._full = set(), False
+        return out
+
     def apply(self, blob: bytes | codec.Delta | codec.PackedDelta) -> list[codec.ChangedRange]:
-        """Apply one delta (or anchor) in place; raises codec.DeltaError, weights intact."""
+        """Apply one delta (or anchor) in place; raises codec.DeltaError, weights intact
+        (an anchor's zeroed weights stay zero)."""
         d = blob if isinstance(blob, (codec.Delta, codec.PackedDelta)) else codec.read(blob)
         codec.check_fits(d, self.layout, run=self.run)
         reset = d.is_anchor
         if reset:
+            self._full = True  # from here on every tensor differs from what was taken
             for a in self._arrays:
                 a.fill(0)
             cur_v, cur_d = NO_VERSION, self.zero_digest()
@@ -120,6 +150,7 @@ class Follower:
         ranges = codec.apply(self._arrays, d, self.layout, current_version=cur_v,
                              current_digest=cur_d, run=self.run)
         self.version, self.digest = d.target_version, d.target_digest
+        self._touched.update(r.tensor for r in ranges)
         self._on_changed(ranges, reset)
         return ranges
 
@@ -237,15 +268,30 @@ class CastFollower(Follower):
 
 class Fp8Follower(Follower):
     """An fp8 follower: ``q[name]`` (float8_e4m3fn) and ``scale[name]`` (fp32) are always
-    exactly ``quantize_fp8(shadow[name], scheme)``; touched units are re-quantized."""
+    exactly ``quantize_fp8(shadow[name], scheme)``; touched units are re-quantized.
+
+    ``only``: the names to quantize (default: every tensor); the others are followed in
+    bf16 only (``shadow``), so ``q`` and ``weights`` hold just the quantized ones.
+    """
 
     def __init__(self, run: str, specs: Sequence[TensorSpec], chunk_elems: int, *,
-                 scheme: Scheme = "block128") -> None:
+                 scheme: Scheme = "block128", only: Collection[str] | None = None) -> None:
         super().__init__(run, specs, chunk_elems)
+        if scheme not in SCHEMES:
+            raise ValueError(f"Fp8Follower scheme must be one of {SCHEMES}, got {scheme!r}")
         self.scheme = scheme
+        if only is None:
+            quantized = list(self.shadow)
+        else:
+            unknown = sorted(set(only) - set(self.shadow))
+            if unknown:
+                raise ValueError(f"Fp8Follower only= names tensors the stream does not have: "
+                                 f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+            wanted = set(only)
+            quantized = [n for n in self.shadow if n in wanted]
         self.q: dict[str, torch.Tensor] = {}
         self.scale: dict[str, torch.Tensor] = {}
-        for n in self.shadow:
+        for n in quantized:
             self._requant_all(n)
         self.requantized_rows = 0  # statistics: rows re-quantized so far
 
@@ -263,8 +309,13 @@ class Fp8Follower(Follower):
 
     def _on_changed(self, ranges: list[codec.ChangedRange], reset: bool) -> None:
         names = list(self.shadow)
-        if reset or self.scheme == "tensor":
-            for t in sorted({r.tensor for r in ranges}) if not reset else range(len(names)):
+        if reset:
+            for name in self.q:
+                self._requant_all(name)
+            return
+        ranges = [r for r in ranges if names[r.tensor] in self.q]
+        if self.scheme == "tensor":
+            for t in sorted({r.tensor for r in ranges}):
                 self._requant_all(names[t])
             return
         by_tensor: dict[int, list[np.ndarray]] = {}

@@ -25,7 +25,7 @@ from fleetrl.daemon.protocol import (
 )
 
 ENC = msgspec.msgpack.Encoder()
-CODECS = (m.SAMPLER, m.WEIGHTS, m.FLEET, m.ROLLOUTS, m.CONTROL)
+CODECS = (m.SAMPLER, m.WEIGHTS, m.FLEET, m.ROLLOUTS, m.CONTROL, m.FEEDBACK)
 
 # --------------------------------------------------------------------------- strategies
 
@@ -131,7 +131,19 @@ def weight_versions(draw) -> m.WeightVersionAvailable:
     )
 
 
+mismatch_figures = st.builds(
+    m.MismatchFigures, tokens=st.integers(1, 2**40), kl_k3=non_neg, frac_out_of_band=st.floats(0.0, 1.0),
+    log_ratio_mean=finite, log_ratio_std=non_neg, log_ratio_max_abs=non_neg,
+)
+
 STRATEGIES: dict[type[Message], st.SearchStrategy] = {
+    m.SamplerMismatch: st.builds(
+        m.SamplerMismatch, step=uint, version=uint, mask_low=st.floats(0.0, 1.0),
+        mask_high=st.floats(2.0, 1e6) | st.just(math.inf),
+        by_kind=st.dictionaries(text, mismatch_figures, max_size=3),
+        by_sampler=st.lists(st.tuples(identities, mismatch_figures), max_size=3,
+                            unique_by=lambda p: p[0].sampler_id).map(tuple),
+    ),
     m.GenerateRequest: st.builds(
         m.GenerateRequest,
         request_id=text,

@@ -45,6 +45,21 @@ def test_corrections_bench_runs_small():
     assert "scenario fleet" in out
 
 
+@pytest.mark.slow
+def test_corrections_bench_long_mode_adds_the_baseline_and_reports_collapse():
+    out, result = run_bench("bench/corrections.py", "--long", "--steps", "6", "--seeds", "2", "--scenarios", "hard",
+                            "--variants", "no-corr,tis", "--eval-n", "16", "--groups", "3", "--eval-every", "2")
+    assert (result["mode"], result["steps"], result["eval_every"], result["baseline"]) == ("long", 6, 2, "on-policy")
+    hard = result["results"]["hard"]
+    assert list(hard) == ["on-policy", "no-corr", "tis"]  # the baseline first, added by --long
+    assert hard["on-policy"]["final_ratio"] == hard["on-policy"]["area_ratio"] == 1.0
+    for row in hard.values():
+        assert len(row["collapse_steps"]) == 2 and row["collapsed"] == sum(s is not None for s in row["collapse_steps"])
+        assert row["area_ratio"] > 0
+    assert hard["no-corr"]["kl"][0] > 0  # staleness 8, coarse fp8 and noise: a real mismatch
+    assert "(long run)" in out and "area/base" in out and "collapsed" in out
+
+
 def test_corrections_bench_rejects_an_unknown_name():
     proc = subprocess.run([sys.executable, "bench/corrections.py", "--scenarios", "stale99"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)

@@ -30,6 +30,7 @@ from fleetrl.actors.model import BOS_ID, TinyLlamaSpec, build_tiny_llama, read_s
 from fleetrl.actors.pool.local import AsyncStoreSource
 from fleetrl.actors.pool import LocalSamplerConfig, SamplerPool
 from fleetrl.actors.pool.actor import _backend_factory, _follower_for
+from fleetrl.actors.pool.metrics import SwitchPauses
 from fleetrl.actors.pool.remote_server import fleet_app
 from fleetrl.actors.weights import MemoryStore, Publisher, PublisherConfig, StoreSource
 from fleetrl.actors.weights.http import blob_app
@@ -127,12 +128,13 @@ async def test_two_local_two_remote_follow_versions_fail_over_and_refuse(fleet_m
                 others.append(intruder)
                 announce(n)
                 source = AsyncStoreSource(StoreSource(store))
+                pauses = SwitchPauses("pool")
                 for sc in (LocalSamplerConfig(id="loc-torch", model_dir=str(fleet_model), dtype="fp32"),
                            LocalSamplerConfig(id="loc-vllm", model_dir=str(fleet_model), backend="vllm",
                                               dtype="bf16", capacity=2)):
                     n.start_soon(lambda sc=sc: pool.keep_local(
                         sc.id, _backend_factory(sc), price_per_hour=PRICES[sc.id], capacity=sc.capacity,
-                        restart_backoff_s=0.5, on_start=_follower_for(pool, source, n)))
+                        restart_backoff_s=0.5, on_start=_follower_for(pool, source, n, pauses)))
                 await _until(lambda: len(by_name()) == 4, "four samplers join", procs)
 
                 # the intruder is refused, and never becomes a member
@@ -202,6 +204,14 @@ async def test_two_local_two_remote_follow_versions_fail_over_and_refuse(fleet_m
                 assert pool.rerouted >= 1
                 assert {int(v) for a in answers.values() for v in a.versions.to_numpy()} == {VERSIONS}
 
+                # the local samplers' version switches were timed per sampler and backend:
+                # one full load each, then incremental updates of the one changed tensor
+                switches = pauses.stats()
+                for name, backend, dtype in (("loc-torch", "torch", "float32"), ("loc-vllm", "vllm", "bfloat16")):
+                    full = switches[(name, backend, dtype, "full")]
+                    update = switches.get((name, backend, dtype, "update"))
+                    assert full.count >= 1 and update is not None and update.count >= 1, (name, switches)
+                    assert update.tensors <= update.count, (name, update)  # only the changed tensor
                 # cost: every answer is priced, and per sampler the answers add up to
                 # price x busy time (the victim's lost work is charged to nobody)
                 spent: dict[str, float] = defaultdict(float)

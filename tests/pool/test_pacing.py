@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fleetrl.actors.pool.pacing import Pacer, PacingError
@@ -260,3 +260,369 @@ def test_normal_flow_never_rebases():
         p.take_ready()
         p.advance(v + 1)
     assert p.rebased == 0
+
+
+# --------------------------------------------------------------------------- deep staleness, any interleaving
+
+_OPS = st.one_of(
+    st.tuples(st.just("admit"), st.integers(0, 12)),          # promised version: trainer's - n (clamped at 0)
+    st.tuples(st.just("finish"), st.integers(0, 63), st.booleans()),  # k-th open attempt; failed?
+    st.tuples(st.just("train")),
+    st.tuples(st.just("stale"), st.integers(0, 3)),           # a stale-group report, with this excess
+)
+
+
+def _consume(queue: list, per_step: int, version: int, trained: list, *, final: bool = False) -> int:
+    """The trainer: ``per_step`` released successful attempts per version, in release
+    order (``final``: the partial batch left at the end trains at the current version)."""
+    while len(queue) >= per_step or (final and queue):
+        batch, queue[:] = queue[:per_step], queue[per_step:]
+        trained.extend((version, adm, oldest) for adm, oldest in batch)
+        if len(batch) == per_step:
+            version += 1
+    return version
+
+
+@pytest.mark.parametrize("max_staleness", [4, 8])
+@settings(max_examples=150, deadline=None)
+@given(per_step=st.integers(1, 4), ops=st.lists(_OPS, min_size=20, max_size=120), restore=st.integers(1, 5))
+def test_the_bound_holds_for_any_interleaving(max_staleness, per_step, ops, restore):
+    """`Pacer`: for any order of admissions (with any promised version), completions,
+    failures, train steps and stale-group reports (which lower the allowance), every
+    attempt the trainer consumes in release order is consumed at a version <= its
+    predicted ``train_version`` and is at most ``allowance <= max_staleness`` versions
+    older than it (its tokens from the version it was admitted with, the worst case)."""
+    p = Pacer(max_staleness=max_staleness, attempts_per_step=per_step, restore_versions=restore)
+    version, n, open_ids, queue, trained, allowed = 0, 0, [], [], [], {}
+    for op in ops:
+        if op[0] == "admit":
+            adm = p.try_admit(f"a{n}", max(0, version - op[1]))
+            if adm is not None:
+                open_ids.append(adm.attempt_id)
+                allowed[adm.attempt_id] = p.allowance
+                n += 1
+        elif op[0] == "finish" and open_ids:
+            aid = open_ids.pop(op[1] % len(open_ids))
+            p.finish(aid, aid, failed=op[2])
+        elif op[0] == "train":
+            queue.extend((adm, adm.oldest_version) for adm, _, failed in p.take_ready() if not failed)
+            version = _consume(queue, per_step, version, trained)
+            p.advance(version)
+        elif op[0] == "stale":
+            p.tighten(op[1], version)
+        assert 0 <= p.allowance <= max_staleness
+    for aid in open_ids:
+        p.finish(aid, aid)
+    queue.extend((adm, adm.oldest_version) for adm, _, failed in p.take_ready() if not failed)
+    _consume(queue, per_step, version, trained, final=True)
+    assert p.rebased == 0 and p.in_flight == 0 and p.waiting == 0
+    for at, adm, oldest in trained:
+        assert at <= adm.train_version, (at, adm)
+        assert at - oldest <= allowed[adm.attempt_id] <= max_staleness, (at, adm)
+
+
+def test_a_stale_report_lowers_the_allowance_once_and_it_comes_back():
+    p = Pacer(max_staleness=8, attempts_per_step=1, restore_versions=2)
+    for i in range(9):  # slots 0..8 train at versions 0..8, all from version-0 weights
+        assert p.try_admit(f"a{i}", 0) is not None
+    assert p.try_admit("x", 0) is None
+    assert p.tighten(3, refused_at=0) and p.allowance == 5 and p.cuts == 1
+    # refusals up to version 8 (where the last attempt admitted before the cut trains)
+    # come from attempts admitted under the old allowance: no new evidence
+    assert not p.tighten(3, refused_at=8) and p.allowance == 5
+    assert p.tighten(0, refused_at=9) and p.allowance == 4  # later: cut again, by at least 1
+    for v in range(1, 6):
+        p.advance(v)
+    assert p.allowance == 4 + 5 // 2  # one back every 2 versions since the cut
+    p.advance(20)
+    assert p.allowance == 8  # never above max_staleness
+    assert p.rebased == 1  # (the jump to 20 was not consumed here: rebased)
+    with pytest.raises(PacingError, match="restore_versions"):
+        Pacer(max_staleness=1, attempts_per_step=1, restore_versions=0)
+
+
+def test_the_floor_is_the_newest_promise_in_flight():
+    p = Pacer(max_staleness=4, attempts_per_step=2)
+    assert p.floor is None
+    p.try_admit("a", 0)
+    p.try_admit("b", 1)
+    p.try_admit("c", 1)
+    assert p.floor == 1
+    p.finish("b")
+    assert p.floor == 1  # c still holds version 1
+    p.finish("c", failed=True)
+    assert p.floor == 0
+    p.finish("a")
+    assert p.floor is None
+
+
+class _InstantDevice:
+    """Answers at once; its tokens carry the version it holds."""
+
+    def __init__(self, sampler_id: str, version: int) -> None:
+        self.sampler_id = sampler_id
+        self.version = version
+        self.identity = m.SamplerIdentity(sampler_id=sampler_id, backend="fake", device_kind="cpu", dtype="bfloat16")
+
+    async def generate(self, request: m.GenerateRequest, started) -> m.Generation:
+        started()
+        await trio.sleep(0)
+        ids = Tensor.from_numpy(np.arange(2, dtype=np.int64))
+        lps = Tensor.from_numpy(np.zeros(2, np.float32))
+        return m.Generation(request_id=request.request_id, token_ids=ids, logprobs=lps,
+                            support=m.SupportCSR(ids=ids, logprobs=lps,
+                                                 offsets=Tensor.from_numpy(np.arange(3, dtype=np.int64))),
+                            versions=Tensor.from_numpy(np.full(2, self.version, np.int64)), sampler=self.identity,
+                            finish_reason="length")
+
+    async def health(self) -> bool:
+        return True
+
+    async def aclose(self) -> None:
+        pass
+
+
+_POOL_OPS = st.one_of(
+    st.tuples(st.just("admit"), st.integers(1, 12)),  # admit up to this many now, then wait for one more
+    st.tuples(st.just("calls")),  # every open attempt makes a model call
+    st.tuples(st.just("call"), st.integers(0, 15)),  # a model call of the k-th newest open attempt
+    # a sampler leaves (maybe) and one joins this many versions behind the trainer, under
+    # an id that sorts first (routing prefers it among idle samplers)
+    st.tuples(st.just("rejoin"), st.integers(0, 3), st.integers(1, 9)),
+    st.tuples(st.just("cycle")),  # a whole step: admit, call, finish, train, every sampler catches up
+    st.tuples(st.just("finish"), st.integers(0, 63), st.booleans()),
+    st.tuples(st.just("train")),
+    st.tuples(st.just("sync"), st.integers(0, 7)),
+    st.tuples(st.just("stale"), st.integers(0, 3)),
+)
+
+
+@pytest.mark.parametrize("max_staleness", [4, 8])
+@settings(max_examples=150, deadline=None)
+@given(per_step=st.integers(1, 3), ops=st.lists(_POOL_OPS, min_size=15, max_size=60))
+# found by this test (shrunk): a sampler joins one version behind after attempts were
+# admitted against the whole fleet at the trainer's version, and serves the newest one
+@example(per_step=1, ops=[("cycle",), ("admit", 12), ("rejoin", 0, 1), ("calls",)])
+def test_the_pool_keeps_the_bound_when_samplers_rejoin_with_old_weights(max_staleness, per_step, ops):
+    """The wired path, for any interleaving: admissions through `SamplerPool.admit` (one
+    may wait while the others go on), model calls routed by the pool (the tokens carry
+    the serving sampler's version), completions and failures, train steps, samplers
+    catching up, samplers leaving and coming back (or joining) with older weights, and
+    stale-group reports. The tokens an attempt really carries are never more than
+    ``max_staleness`` versions older than the version the trainer consumes it at.
+    (Without the pacer's floor in routing, a sampler rejoining with old weights serves an
+    attempt admitted against newer ones, and this fails.)"""
+    from fleetrl.actors.buffer import StaleGroup
+
+    async def main() -> None:
+        pool = SamplerPool(max_staleness=max_staleness, attempts_per_step=per_step, restore_versions=2)
+        devices = {sid: _InstantDevice(sid, 0) for sid in "abc"}
+        for d in devices.values():
+            pool.add(d, d.identity, price_per_hour=0.0, capacity=4, remote=False)
+        state = {"version": 0, "n": 0, "calls": 0}
+        open_ids: list[str] = []
+        oldest: dict[str, int] = {}
+        queue: list = []
+        trained: list = []
+        waiting: list[tuple[str, trio.CancelScope]] = []  # at most one admission waits
+
+        async def admit(aid: str, scope: trio.CancelScope) -> None:
+            with scope:
+                await pool.admit(aid)
+                open_ids.append(aid)
+
+        async def call(aid: str, scope: trio.CancelScope) -> None:
+            state["calls"] += 1
+            with scope:
+                g = await pool.generate(m.GenerateRequest(
+                    request_id=f"{aid}-{state['calls']}", attempt_id=aid, params=m.SamplingParams(max_tokens=2),
+                    prompt_ids=Tensor.from_numpy(np.array([1, 2], np.int64))))
+                v = int(g.versions.to_numpy().min())
+                oldest[aid] = min(oldest.get(aid, v), v)
+
+        def new_id() -> str:
+            state["n"] += 1
+            return f"a{state['n']}"
+
+        def train() -> None:
+            queue.extend((adm, None) for adm, _, failed in pool.released_nowait() if not failed)
+            state["version"] = _consume(queue, per_step, state["version"], trained)
+            pool.set_trainer_version(state["version"])
+
+        def sync(sid: str) -> None:
+            d = devices[sid]
+            if sid not in pool.handles:
+                return
+            d.version = max(d.version, state["version"])
+            pool.set_sampler_version(sid, d.version, f"d{d.version}")
+
+        async with trio.open_nursery() as nursery:
+            async def settle() -> None:
+                await trio.testing.wait_all_tasks_blocked()
+                waiting[:] = [w for w in waiting if w[0] not in open_ids]
+
+            async def call_now(aid: str) -> None:
+                scope = trio.CancelScope()
+                nursery.start_soon(call, aid, scope)
+                await trio.testing.wait_all_tasks_blocked()
+                scope.cancel()  # no sampler can take it now: the call gives up
+
+            for op in ops:
+                kind = op[0]
+                if kind == "cycle":
+                    for _ in range(per_step):
+                        if waiting or not pool.pacer.would_admit(pool.promised_version()):
+                            break
+                        aid = new_id()
+                        await admit(aid, trio.CancelScope())
+                        await call_now(aid)
+                        open_ids.remove(aid)
+                        pool.finish(aid, aid)
+                    train()
+                    for sid in list(pool.handles):
+                        sync(sid)
+                elif kind == "admit" and not waiting:
+                    for _ in range(op[1]):
+                        if not pool.pacer.would_admit(pool.promised_version()):
+                            break
+                        await admit(new_id(), trio.CancelScope())
+                    waiting.append((new_id(), trio.CancelScope()))
+                    nursery.start_soon(admit, *waiting[-1])
+                elif kind == "call" and open_ids:
+                    await call_now(open_ids[-1 - op[1] % len(open_ids)])
+                elif kind == "calls":
+                    for aid in list(open_ids):
+                        await call_now(aid)
+                elif kind == "finish" and open_ids:
+                    aid = open_ids.pop(op[1] % len(open_ids))
+                    pool.finish(aid, aid, failed=op[2])
+                elif kind == "train":
+                    train()
+                elif kind == "sync":
+                    sync(sorted(pool.handles)[op[1] % len(pool.handles)])
+                elif kind == "rejoin":
+                    if op[1] < len(pool.handles) and len(pool.handles) > 1:
+                        pool.mark_dead(sorted(pool.handles)[op[1]], "restarted")
+                    sid = f"0{99 - len(devices)}"  # sorts before every earlier one
+                    devices[sid] = _InstantDevice(sid, max(0, state["version"] - op[2]))
+                    pool.add(devices[sid], devices[sid].identity, price_per_hour=0.0, capacity=4, remote=False,
+                             version=devices[sid].version)
+                elif kind == "stale":
+                    v = state["version"]
+                    pool.on_stale_group(StaleGroup(group_id=f"g{state['n']}", task_id="t", oldest_version=max(0, v - 3),
+                                                   trainer_version=v, max_staleness=max(0, 2 - op[1])))
+                await settle()
+            for _, scope in waiting:
+                scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            for aid in list(open_ids):
+                pool.finish(aid, aid)
+            queue.extend((adm, None) for adm, _, failed in pool.released_nowait() if not failed)
+            _consume(queue, per_step, state["version"], trained, final=True)
+        assert pool.pacer.rebased == 0
+        for at, adm, _ in trained:
+            assert at <= adm.train_version
+            if adm.attempt_id in oldest:
+                assert at - oldest[adm.attempt_id] <= max_staleness, (at, adm, oldest[adm.attempt_id])
+
+    trio.run(main)
+
+
+# --------------------------------------------------------------------------- stale-group reports
+
+
+def _stale(trainer_version: int, oldest: int, accepted: int, reason: str = "too_stale"):
+    from fleetrl.actors.buffer import StaleGroup
+
+    return StaleGroup(group_id=f"g-{trainer_version}-{oldest}", task_id="t", oldest_version=oldest,
+                      trainer_version=trainer_version, max_staleness=accepted, reason=reason)
+
+
+def _fleet(pool: SamplerPool, **versions: int) -> dict[str, _InstantDevice]:
+    devs = {sid: _InstantDevice(sid, v) for sid, v in versions.items()}
+    for d in devs.values():
+        pool.add(d, d.identity, price_per_hour=0.0, capacity=4, remote=False, version=d.version)
+    return devs
+
+
+def _req(i: int) -> m.GenerateRequest:
+    return m.GenerateRequest(request_id=f"r{i}", attempt_id=f"x{i}", params=m.SamplingParams(max_tokens=2),
+                             prompt_ids=Tensor.from_numpy(np.array([1, 2, i], np.int64)))
+
+
+async def test_stale_reports_are_counted_and_lower_the_allowance(autojump_clock):
+    pool = SamplerPool(max_staleness=4, attempts_per_step=1, restore_versions=2)
+    _fleet(pool, a=0)
+    pool.on_stale_group(_stale(1, 0, 0, "expired"))  # one too many: a cut of 1
+    assert pool.pacer.allowance == 3
+    pool.set_trainer_version(2)
+    assert pool.pacer.allowance == 4  # restored: one every 2 versions after the cut
+    pool.set_trainer_version(6)
+    pool.set_sampler_version("a", 6, "d6")
+    pool.on_stale_group(_stale(6, 1, 2))  # 5 behind, 2 accepted: 3 too many
+    stats = pool.statistics()
+    assert (stats.stale_reports, stats.stale_by_reason) == (2, {"expired": 1, "too_stale": 1})
+    assert stats.pacing_allowance == 1 == pool.pacer.allowance
+    # attempts now run at most one version ahead of the weights they are served by
+    admitted = [await pool.admit(f"a{i}") for i in range(2)]
+    assert [(a.oldest_version, a.train_version) for a in admitted] == [(6, 6), (6, 7)]
+    assert not pool.pacer.would_admit(pool.promised_version())
+    pool.on_stale_group(_stale(6, 2, 2))  # refused at the cut's version: from before it, no new cut
+    assert pool.pacer.allowance == 1 and pool.pacer.cuts == 2
+    for v in (7, 8, 9, 10):
+        pool.set_trainer_version(v)
+    assert pool.pacer.allowance == 3
+    pool.set_trainer_version(20)
+    assert pool.pacer.allowance == 4  # never above max_staleness
+
+
+async def test_lagging_samplers_are_deprioritised_not_stalled_and_asked_to_resync(autojump_clock):
+    pool = SamplerPool(max_staleness=8, attempts_per_step=1)
+    devs = _fleet(pool, a=1, b=5)  # a sorts first: routing would pick it among idle samplers
+    pool.set_trainer_version(5)
+    got = [await pool.generate(_req(0))]
+    assert got[0].sampler.sampler_id == "a"  # within max_staleness 8: fine so far
+    synced: list[int] = []
+
+    async def follower(msg: m.WeightVersionAvailable) -> None:
+        synced.append(msg.version)
+
+    pool.on_version(follower)
+    async with trio.open_nursery() as nursery:
+        pool.announce(m.WeightVersionAvailable(version=5, digest="d5", base=None, blobs=()), nursery)
+        await trio.testing.wait_all_tasks_blocked()
+        assert synced == [5]
+        # the trainer (accepting 2 versions) refuses a group of version-1 tokens at version 5
+        pool.on_stale_group(_stale(5, 1, 2), nursery)
+        await trio.testing.wait_all_tasks_blocked()
+        assert synced == [5, 5] and pool.resyncs == 1  # the followers were sent the newest version again
+        pool.on_stale_group(_stale(5, 1, 2), nursery)
+        await trio.testing.wait_all_tasks_blocked()
+        assert synced == [5, 5]  # once per trainer version
+    assert pool.lag_floor == 3
+    for i in range(1, 4):
+        g = await pool.generate(_req(i))
+        assert g.sampler.sampler_id == "b"  # a's version-1 tokens would be refused: b serves
+    pool.mark_dead("b", "gone")
+    g = await pool.generate(_req(9))
+    assert g.sampler.sampler_id == "a"  # the only one left: deprioritised, not stalled
+    devs["a"].version = 5
+    pool.set_sampler_version("a", 5, "d5")
+    assert pool.statistics().resyncs == 1
+
+
+async def test_a_report_without_lagging_samplers_resyncs_nothing(autojump_clock):
+    pool = SamplerPool(max_staleness=4, attempts_per_step=1)
+    _fleet(pool, a=5)
+    pool.set_trainer_version(5)
+    calls = []
+
+    async def follower(msg):
+        calls.append(msg)
+
+    pool.on_version(follower)
+    async with trio.open_nursery() as nursery:
+        pool.announce(m.WeightVersionAvailable(version=5, digest="d5", base=None, blobs=()), nursery)
+        pool.on_stale_group(_stale(5, 1, 2), nursery)  # produced by a sampler that has caught up since
+        await trio.testing.wait_all_tasks_blocked()
+    assert len(calls) == 1 and pool.resyncs == 0 and pool.stale_reports == 1

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetrl.actors.pool.registry import Registry, UnknownSampler
-from fleetrl.daemon.messages import SamplerIdentity
+from fleetrl.daemon.messages import MismatchFigures, SamplerIdentity, SamplerMismatch
 
 
 def _ident(sid="s"):
@@ -112,3 +112,50 @@ def test_charges_add_up_to_the_busy_time(intervals):
             charged[i] = reg.ended("s", float(t), ran=True, tokens=1, latency_s=1.0, mark=marks[i])
     assert sum(charged.values()) == pytest.approx(reg.get("s").busy_s)
     assert all(0 < charged[i] <= d + 1e-9 for i, (_, d) in enumerate(intervals))
+
+
+def _fig(tokens: int, kl: float, out: float = 0.0) -> MismatchFigures:
+    return MismatchFigures(tokens=tokens, kl_k3=kl, frac_out_of_band=out, log_ratio_mean=0.0, log_ratio_std=0.1,
+                           log_ratio_max_abs=0.3)
+
+
+def _who(sid: str, dtype: str, device: str = "cpu") -> SamplerIdentity:
+    return SamplerIdentity(sampler_id=sid, backend="torch", device_kind=device, dtype=dtype)
+
+
+def _report(version: int, *entries: tuple[SamplerIdentity, MismatchFigures]) -> SamplerMismatch:
+    return SamplerMismatch(step=version, version=version, mask_low=0.5, mask_high=5.0,
+                           by_kind={}, by_sampler=tuple(entries))
+
+
+def test_the_trainers_measurements_feed_the_pools_mismatch_gauge():
+    """`SamplerPool.record_mismatch` keeps each sampler's figures on its record and the
+    token-weighted k3 KL of each (backend, device kind, dtype), which the pool's
+    ``fleetrl_sampler_mismatch_kl`` gauge exports."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fleetrl.actors.pool import SamplerPool
+    from fleetrl.actors.pool.metrics import PoolMetrics
+
+    pool = SamplerPool()
+    for ident in (_who("a", "bfloat16"), _who("b", "bfloat16"), _who("h", "bfloat16", "H100")):
+        pool.registry.add(ident, price_per_hour=0.0, capacity=1, remote=False)
+    pool.record_mismatch(_report(3, (_who("a", "bfloat16"), _fig(100, 0.01, 0.1)),
+                                 (_who("b", "bfloat16"), _fig(300, 0.05)),
+                                 (_who("h", "bfloat16", "H100"), _fig(10, 0.2)),
+                                 (_who("gone", "float32"), _fig(5, 1e-9))))  # left the fleet since
+    kl = pool.registry.mismatch_kl
+    assert kl[("torch", "cpu", "bfloat16")] == pytest.approx((100 * 0.01 + 300 * 0.05) / 400)
+    assert kl[("torch", "H100", "bfloat16")] == 0.2 and kl[("torch", "cpu", "float32")] == 1e-9
+    a = pool.registry.get("a")
+    assert a.mismatch == _fig(100, 0.01, 0.1) and a.mismatch_version == 3
+    assert "gone" not in pool.registry and pool.statistics().mismatch_reports == 1
+    # an older report arriving late overwrites neither a sampler's newer figures nor its kind's
+    pool.record_mismatch(_report(5, (_who("a", "bfloat16"), _fig(7, 0.5))))
+    pool.record_mismatch(_report(4, (_who("a", "bfloat16"), _fig(9, 0.9))))
+    assert a.mismatch == _fig(7, 0.5) and a.mismatch_version == 5
+    prom = CollectorRegistry()
+    prom.register(PoolMetrics(pool, "pool"))
+    text = generate_latest(prom).decode()
+    assert 'fleetrl_sampler_mismatch_kl{actor="pool",backend="torch",device="H100",dtype="bfloat16"} 0.2' in text
+    assert 'fleetrl_sampler_mismatch_kl{actor="pool",backend="torch",device="cpu",dtype="bfloat16"} 0.5' in text

@@ -108,3 +108,19 @@ def test_read_reports_the_real_path(tmp_path, h):
     p.write_bytes(h.metrics_line(h.step_metrics(1)) + b"{oops}\n")
     with pytest.raises(ReportInputError, match=rf"^{p}:2: "):
         read_metrics(p)
+
+
+def test_non_finite_mismatch_figures_read_back_as_nan(h):
+    from fleetrl.actors.trainer.step import MismatchFigures
+    from fleetrl.daemon.messages import SamplerIdentity
+
+    fig = MismatchFigures(tokens=3, kl_k3=float("inf"), frac_out_of_band=1.0, log_ratio_mean=float("nan"),
+                          log_ratio_std=float("nan"), log_ratio_max_abs=800.0)
+    ident = SamplerIdentity(sampler_id="s", backend="torch", device_kind="cpu", dtype="float8_e4m3fn")
+    m = h.step_metrics(1, mismatch_by_kind={"torch/float8_e4m3fn": fig}, mismatch_by_sampler_id={"s": fig},
+                       sampler_identities=(ident,), log_ratio_std=float("nan"))
+    row = parse_metrics(msgspec.json.encode(m).decode() + "\n").rows[0]
+    for f in (row.mismatch_by_kind["torch/float8_e4m3fn"], row.mismatch_by_sampler_id["s"]):
+        assert math.isnan(f.kl_k3) and math.isnan(f.log_ratio_std) and f.log_ratio_max_abs == 800.0
+        assert f.tokens == 3
+    assert row.sampler_identities == (ident,) and math.isnan(row.log_ratio_std)

@@ -181,3 +181,38 @@ def test_fleetrl_report_command_runs_in_a_subprocess(make_state, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(tmp_path / "r" / "index.html")
+
+
+def test_report_shows_the_sampler_mismatch(make_state, h, tmp_path):
+    import json
+
+    from fleetrl.actors.trainer.step import MismatchFigures
+    from fleetrl.daemon.messages import SamplerIdentity
+
+    def fig(tokens, kl, out):
+        return MismatchFigures(tokens=tokens, kl_k3=kl, frac_out_of_band=out, log_ratio_mean=0.0,
+                               log_ratio_std=kl ** 0.5, log_ratio_max_abs=10 * kl ** 0.5)
+
+    ids = (SamplerIdentity(sampler_id="fp32-0", backend="torch", device_kind="cpu", dtype="float32"),
+           SamplerIdentity(sampler_id="fp8-0", backend="torch", device_kind="H100", dtype="float8_e4m3fn"))
+    steps = [h.step_metrics(i, mismatch_kl_by_sampler={"torch/float32": 1e-6, "torch/float8_e4m3fn": 1e-2},
+                            tokens_by_sampler={"torch/float32": 100, "torch/float8_e4m3fn": 300},
+                            mismatch_by_kind={"torch/float32": fig(100, 1e-6, 0.0),
+                                              "torch/float8_e4m3fn": fig(300, 1e-2, 0.02 * i)},
+                            mismatch_by_sampler_id={"fp32-0": fig(100, 1e-6, 0.0), "fp8-0": fig(300, 1e-2, 0.02 * i)},
+                            sampler_identities=ids)
+             for i in range(1, 6)]
+    page = write_report(make_state(steps=steps), tmp_path / "out")
+    table, _ = _table(page)
+    # fleet: (100 * 1e-6 + 300 * 1e-2) / 400 per step; reference: the fp32 sampler's 1e-6
+    assert table["fleet mismatch as a multiple of a homogeneous fp32 fleet's"].startswith(
+        f"{(1e-4 + 3) / 400 / 1e-6:.3g}x")
+    text = page.read_text()
+    assert "<h2>Sampler mismatch</h2>" in text
+    assert "<td>fp8-0 (torch/H100/float8_e4m3fn)</td><td>1500</td><td>5</td><td>0.01</td><td>6.00%</td>" in text
+    summary = json.loads((page.parent / "summary.json").read_text())
+    assert summary["mismatch_multiple"]["steps"] == 5
+    assert [r["key"] for r in summary["mismatch_by_sampler"]] == ["fp32-0", "fp8-0"]
+    other = write_report(make_state(steps=[msgspec.structs.replace(s, mismatch_by_sampler_id={}) for s in steps]),
+                         tmp_path / "other")
+    assert (page.parent / "mismatch_kl.png").read_bytes() != (other.parent / "mismatch_kl.png").read_bytes()

@@ -6,6 +6,7 @@ import math
 
 import msgspec
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -108,3 +109,94 @@ def test_bound_band_edges():
     assert bound_ratio_band(float("nan")) is None
     low, high = bound_ratio_band(0.5)
     assert high == 16 / binary_entropy(0.5) == 16.0 and low == 16 / 9
+
+
+# --------------------------------------------------------------------------- sampler mismatch
+
+
+def _fig(tokens, kl, out, mean, std, mx):
+    from fleetrl.actors.trainer.step import MismatchFigures
+
+    return MismatchFigures(tokens=tokens, kl_k3=kl, frac_out_of_band=out, log_ratio_mean=mean, log_ratio_std=std,
+                           log_ratio_max_abs=mx)
+
+
+def test_mismatch_table_combines_the_steps_by_hand(h):
+    from fleetrl.actors.report.html import mismatch_rows
+    from fleetrl.actors.report.summary import mismatch_table
+    from fleetrl.daemon.messages import SamplerIdentity
+
+    ident = SamplerIdentity(sampler_id="s1", backend="torch", device_kind="H100", dtype="bfloat16")
+    steps = [h.step_metrics(1, mismatch_by_kind={"torch/bfloat16": _fig(100, 0.01, 0.1, 0.0, 0.1, 0.5)},
+                            mismatch_by_sampler_id={"s1": _fig(100, 0.01, 0.1, 0.0, 0.1, 0.5)},
+                            sampler_identities=(ident,)),
+             h.step_metrics(2),  # an older line, without per-sampler figures
+             h.step_metrics(3, mismatch_by_kind={"torch/bfloat16": _fig(300, 0.03, 0.2, 0.2, 0.1, 0.9)},
+                            mismatch_by_sampler_id={"s1": _fig(300, 0.03, 0.2, 0.2, 0.1, 0.9)},
+                            sampler_identities=(ident,))]
+    [kind] = mismatch_table(steps)
+    f = kind.figures
+    assert (kind.key, kind.steps, f.tokens) == ("torch/bfloat16", 2, 400)
+    assert f.kl_k3 == (100 * 0.01 + 300 * 0.03) / 400
+    assert math.isclose(f.frac_out_of_band, (10 + 60) / 400)
+    assert math.isclose(f.log_ratio_mean, 0.15)
+    # pooled: (100 * 0.1^2 + 300 * 0.1^2 + 0.2^2 * 100 * 300 / 400) / 400 = 7 / 400
+    assert math.isclose(f.log_ratio_std, math.sqrt(7 / 400))
+    assert f.log_ratio_max_abs == 0.9
+    [one] = mismatch_table(steps, by="sampler")
+    assert (one.key, one.label) == ("s1", "torch/H100/bfloat16") and one.figures == f
+    assert mismatch_rows((one,)) == [("s1 (torch/H100/bfloat16)", "400", "2", "0.025", "17.50%", "0.132", "0.9")]
+    with pytest.raises(ValueError, match="by must be"):
+        mismatch_table(steps, by="dtype")
+
+
+def test_fleet_multiple_of_the_fp32_samplers_in_the_same_steps(h):
+    from fleetrl.actors.report.summary import fleet_kl, fleet_mismatch_multiple
+
+    # conftest: each step has 300 tokens of fp32 (k3 1e-7 * step), bf16 (1e-3) and fp8 (1e-2)
+    steps = [h.step_metrics(i) for i in range(1, 11)]
+    steps.append(h.step_metrics(11, tokens_by_sampler={"torch/float32": 0, "torch/bfloat16": 300,
+                                                       "torch/fp8": 300}))  # no fp32 tokens: not compared
+    steps.append(h.step_metrics(12, skipped=True, mismatch_kl_by_sampler={}, tokens_by_sampler={}))
+    kl, tokens = fleet_kl(steps)
+    assert tokens == 10 * 900 + 600
+    assert math.isclose(kl, (300 * 1e-7 * 55 + 11 * 300 * 1.1e-2) / tokens)
+    mm = fleet_mismatch_multiple(steps)
+    fleet = (300 * 1e-7 * 55 + 10 * 300 * 1.1e-2) / 9000
+    assert mm.steps == 10 and (mm.fleet_tokens, mm.reference_tokens) == (9000, 3000)
+    assert math.isclose(mm.fleet_kl, fleet) and math.isclose(mm.reference_kl, 1e-7 * 5.5)
+    assert math.isclose(mm.multiple, fleet / 5.5e-7)
+    assert fleet_mismatch_multiple(steps[10:]) is None  # no fp32 sampler: no reference
+    zero = [h.step_metrics(1, mismatch_kl_by_sampler={"torch/float32": 0.0, "torch/bfloat16": 1e-3})]
+    assert fleet_mismatch_multiple(zero).multiple is None  # a reference of exactly 0 gives no multiple
+
+
+def test_run_multiple_against_a_homogeneous_fp32_run(h):
+    from fleetrl.actors.report.html import fmt_multiple
+    from fleetrl.actors.report.summary import run_mismatch_multiple
+
+    run = [h.step_metrics(i) for i in range(1, 6)]
+    fp32 = [h.step_metrics(i, mismatch_kl_by_sampler={"torch/float32": 2e-6}, tokens_by_sampler={"torch/float32": 900})
+            for i in range(3, 9)]
+    mm = run_mismatch_multiple(run, fp32, reference="sync_fp32")
+    assert mm.steps == 3  # steps 3, 4, 5: measured by both
+    fleet = (300 * 1e-7 * 12 + 3 * 300 * 1.1e-2) / 2700
+    assert math.isclose(mm.fleet_kl, fleet) and mm.reference_kl == 2e-6
+    assert math.isclose(mm.multiple, fleet / 2e-6)
+    assert fmt_multiple(mm).startswith(f"{fleet / 2e-6:.3g}x (fleet ") and "sync_fp32, 3 steps" in fmt_multiple(mm)
+    assert run_mismatch_multiple(run, fp32[3:]) is None  # no step in common
+    assert fmt_multiple(None) == "n/a (no torch/float32 sampler in the fleet)"
+
+
+def test_summary_carries_the_mismatch(h):
+    steps = [h.step_metrics(i, mismatch_by_kind={"torch/fp8": _fig(300, 1e-2, 0.01, 0.0, 0.2, 1.0)})
+             for i in range(1, 4)]
+    s = summarize(steps, [])
+    assert [r.key for r in s.mismatch_by_kind] == ["torch/fp8"] and s.mismatch_by_sampler == ()
+    assert s.mismatch_multiple is not None and s.mismatch_multiple.steps == 3
+    rows = dict(summary_rows(s))
+    assert rows["fleet mismatch as a multiple of a homogeneous fp32 fleet's"].endswith(
+        "its torch/float32 samplers in the same steps, 3 steps)")
+    assert rows["sampler-trainer mismatch, all samplers (k3 KL per token)"] == f"{s.fleet_mismatch_kl:.3g}"
+    assert summarize([], []).fleet_mismatch_kl is None
+    assert dict(summary_rows(summarize([], [])))["sampler-trainer mismatch, all samplers (k3 KL per token)"] == "n/a"

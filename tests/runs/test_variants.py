@@ -1,4 +1,5 @@
-"""The ablation arms as pure config transforms, checked on configs/tiny.toml."""
+"""The ablation's arms, regimes and seeds as pure config transforms, checked on
+configs/tiny.toml (and each arm's config accepted by the daemon's loader)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 
 from fleetrl.actors.runs.bench_async import bench_configs, measure
 from fleetrl.actors.runs.serve import ServeResult, StepSeen
-from fleetrl.actors.runs.variants import (EVALUATOR, VARIANTS, VariantError, actors_by_factory,
-                                          apply_variant, drop_actors, pool_config, relocate,
-                                          set_max_steps, synchronous, trainer_config, variant_names)
+from fleetrl.actors.runs.tomlw import dumps
+from fleetrl.actors.runs.variants import (ENVWORKER, EVALUATOR, REGIMES, VARIANTS, VariantError, actors_by_factory,
+                                          apply_seed, apply_variant, drop_actors, hard_fleet, parse_seeds,
+                                          pool_config, regime_names, relocate, set_eval_tasks, set_max_steps,
+                                          synchronous, trainer_config, variant_names)
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 
@@ -65,6 +68,15 @@ def test_d_is_masking_only(tiny):
     corr = trainer_config(VARIANTS["d"].transform(tiny))["corrections"]
     assert corr == {"normalization": "token", "mask_low": 0.3, "mask_high": 3.0,
                     "weighting": "mask", "centering": False}
+
+
+def test_e_is_tis_only(tiny):
+    trainer_config(tiny)["corrections"].update(tis_cap=3.0, seq_mask=[0.9, 1.1])
+    e = VARIANTS["e"].transform(tiny)
+    assert trainer_config(e)["corrections"] == {"normalization": "token", "tis_cap": 3.0, "weighting": "tis",
+                                                "centering": False}
+    assert pool_config(e) == pool_config(tiny)
+    assert [v.key for v in VARIANTS.values() if v.reference] == ["a"]
 
 
 def test_all_arms_keep_budget_seeds_tasks_and_model(tiny):
@@ -133,9 +145,9 @@ def test_configs_without_the_needed_actors_are_refused(tiny):
 
 
 def test_variant_names():
-    assert [v.key for v in variant_names("a,async_none, d")] == ["a", "c", "d"]
-    with pytest.raises(VariantError, match="unknown variant 'e'"):
-        variant_names("a,e")
+    assert [v.key for v in variant_names("a,async_none, d,async_tis")] == ["a", "c", "d", "e"]
+    with pytest.raises(VariantError, match="unknown variant 'f'"):
+        variant_names("a,f")
     with pytest.raises(VariantError, match="listed twice"):
         variant_names("a,sync_fp32")
 
@@ -163,3 +175,164 @@ def test_measure_from_the_first_step():
     assert measure(res, 64) == (10.0, 30.0)
     assert measure(res, 97) == (None, None)
     assert measure(ServeResult(exit_code=1, wall_s=1.0, steps=()), 32) == (None, None)
+
+
+# -- regimes ------------------------------------------------------------------------------
+
+def test_mild_is_the_config_as_is(tiny):
+    assert REGIMES["mild"].transform(tiny) == tiny
+
+
+def test_hard_adds_vllm_coarsens_fp8_and_raises_staleness(tiny):
+    before = copy.deepcopy(tiny)
+    hard = REGIMES["hard"].transform(tiny)
+    assert tiny == before  # pure
+    samplers = pool_config(hard)["samplers"]
+    assert [s["id"] for s in samplers] == ["torch-fp32", "torch-bf16", "torch-fp8", "vllm-bf16"]
+    by_id = {s["id"]: s for s in samplers}
+    assert by_id["torch-fp8"]["fp8_scheme"] == "tensor" and by_id["torch-fp8"]["dtype"] == "fp8"
+    vllm = by_id["vllm-bf16"]
+    assert (vllm["backend"], vllm["dtype"], vllm["process"], vllm["model_dir"]) == (
+        "vllm", "bf16", True, ".fleetrl/models/tiny")
+    assert "fp8_scheme" not in vllm and "device" not in vllm
+    assert by_id["torch-fp32"] == pool_config(tiny)["samplers"][0]  # the rest of the fleet is kept
+    assert trainer_config(hard)["max_staleness"] == pool_config(hard)["max_staleness"] == 8
+    assert pool_config(hard)["wait_for_processes"] is True
+    assert trainer_config(hard)["publish_window"] == 8
+    # room for the samplers to run 8 versions ahead: 9 steps of 64 attempts
+    assert hard["actors"]["env"]["config"]["max_concurrent_attempts"] == 9 * 64
+    assert trainer_config(hard)["corrections"] == trainer_config(tiny)["corrections"]
+
+
+def test_hard_adds_a_coarse_fp8_sampler_when_there_is_none(tiny):
+    pool_config(tiny)["samplers"] = [s for s in pool_config(tiny)["samplers"] if s["dtype"] != "fp8"]
+    pool_config(tiny)["samplers"][0]["device"] = "cuda:1"
+    samplers = pool_config(hard_fleet(tiny))["samplers"]
+    fp8 = [s for s in samplers if s.get("dtype") == "fp8"]
+    assert len(fp8) == 1 and fp8[0]["id"] == "torch-fp8-tensor" and fp8[0]["fp8_scheme"] == "tensor"
+    assert fp8[0]["device"] == "cuda:1" and fp8[0]["backend"] == "torch"
+
+
+def test_hard_keeps_a_vllm_sampler_and_makes_it_a_child_process(tiny):
+    pool_config(tiny)["samplers"].append({"id": "vllm-bf16", "model_dir": ".fleetrl/models/tiny",
+                                          "backend": "vllm", "dtype": "bf16"})
+    samplers = pool_config(hard_fleet(tiny))["samplers"]
+    vllm = [s for s in samplers if s.get("backend") == "vllm"]
+    assert len(vllm) == 1 and vllm[0]["process"] is True and len(samplers) == 4
+
+
+def test_hard_refuses_a_model_vllm_cannot_run(tiny, tmp_path):
+    tiny["actors"]["warm_start"]["config"]["recipe"] = {"model": {"hidden_size": 192, "num_heads": 4, "num_kv_heads": 4}}
+    with pytest.raises(VariantError, match=r"head size 48 \(the warm_start recipe.*does not substitute"):
+        hard_fleet(tiny)
+    # a model no warm_start builds: its config.json says
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 128, "num_attention_heads": 8}')
+    for s in pool_config(tiny)["samplers"]:
+        s["model_dir"] = str(model)
+    with pytest.raises(VariantError, match=rf"head size 16 \({model}/config.json\)"):
+        hard_fleet(tiny)
+    (model / "config.json").write_text('{"hidden_size": 128, "num_attention_heads": 2}')
+    assert pool_config(hard_fleet(tiny))["samplers"][-1]["model_dir"] == str(model)
+    for s in pool_config(tiny)["samplers"]:
+        s["model_dir"] = str(tmp_path / "missing")
+    with pytest.raises(VariantError, match="cannot tell whether vLLM runs the model"):
+        hard_fleet(tiny)
+
+
+def test_hard_needs_local_samplers_and_the_control_plane(tiny):
+    tiny["http"]["enabled"] = False
+    with pytest.raises(VariantError, match=r"needs \[http\] enabled = true"):
+        hard_fleet(tiny)
+    pool_config(tiny)["samplers"] = []
+    with pytest.raises(VariantError, match="the pool has none"):
+        hard_fleet(tiny)
+
+
+def test_the_reference_arm_ignores_the_regime(tiny):
+    hard = REGIMES["hard"]
+    a_mild = apply_variant(tiny, VARIANTS["a"], state_dir="/s", steps=5)
+    a_hard = apply_variant(tiny, VARIANTS["a"], state_dir="/s", steps=5, regime=hard)
+    assert a_hard == a_mild
+    assert {(s["backend"], s["dtype"]) for s in pool_config(a_hard)["samplers"]} == {("torch", "fp32")}
+    assert trainer_config(a_hard)["max_staleness"] == 0
+    c_hard = apply_variant(tiny, VARIANTS["c"], state_dir="/s", steps=5, regime=hard)
+    assert trainer_config(c_hard)["max_staleness"] == 8 and trainer_config(c_hard)["corrections"]["weighting"] == "none"
+    assert pool_config(c_hard)["samplers"][-1]["backend"] == "vllm"
+
+
+@pytest.mark.parametrize("regime", ["mild", "hard"])
+def test_every_arm_of_every_regime_is_a_config_the_daemon_accepts(tiny, tmp_path, regime):
+    from fleetrl.daemon.config import load_config
+
+    for v in VARIANTS.values():
+        cfg = apply_variant(apply_seed(tiny, 1), v, state_dir=str(tmp_path / v.name), steps=3,
+                            shared={"models": str(tmp_path / "models")}, regime=REGIMES[regime])
+        path = tmp_path / f"{regime}-{v.name}.toml"
+        path.write_text(dumps(cfg))
+        load_config(path)
+
+
+def test_regime_names():
+    assert [r.key for r in regime_names("hard, mild")] == ["hard", "mild"]
+    with pytest.raises(VariantError, match=r"unknown regime 'wild' \(known: mild, hard\)"):
+        regime_names("mild,wild")
+    with pytest.raises(VariantError, match="listed twice"):
+        regime_names("hard,hard")
+
+
+# -- seeds and evaluation size ------------------------------------------------------------
+
+def test_a_seed_shifts_the_task_stream_the_trainer_and_the_warm_model(tiny):
+    assert apply_seed(tiny, 0) == tiny
+    trainer_config(tiny)["seed"] = 10
+    s3 = apply_seed(tiny, 3)
+    assert trainer_config(s3)["seed"] == 13
+    assert s3["actors"]["env"]["config"]["tasks"] == {"kind": "synthetic", "seed": 3}
+    assert s3["actors"]["warm_start"]["config"]["recipe"] == {"init_seed": 3}
+    # the held-out sets are the same in every seed
+    assert s3["actors"]["evaluator"] == tiny["actors"]["evaluator"]
+    assert pool_config(s3) == pool_config(tiny)
+
+
+def test_a_task_file_has_no_seed(tiny):
+    tiny["actors"]["env"]["config"]["tasks"] = {"kind": "jsonl", "path": "t.jsonl"}
+    assert apply_seed(tiny, 2)["actors"]["env"]["config"]["tasks"] == {"kind": "jsonl", "path": "t.jsonl"}
+
+
+def test_seed_errors(tiny):
+    with pytest.raises(VariantError, match="seed must be an integer >= 0"):
+        apply_seed(tiny, -1)
+    trainer_config(tiny)["seed"] = "x"
+    with pytest.raises(VariantError, match=r"actors\.trainer\.config\.seed: expected an integer"):
+        apply_seed(tiny, 1)
+    del tiny["actors"]["trainer"]
+    with pytest.raises(VariantError, match="no trainer"):
+        apply_seed(tiny, 1)
+
+
+def test_set_eval_tasks(tiny):
+    out = set_eval_tasks(tiny, 400)
+    assert out["actors"]["evaluator"]["config"]["n"] == 400 and tiny["actors"]["evaluator"]["config"]["n"] == 200
+    with pytest.raises(VariantError, match="evaluation tasks must be an integer >= 1"):
+        set_eval_tasks(tiny, 0)
+    assert set_eval_tasks(drop_actors(tiny, EVALUATOR), 400) == drop_actors(tiny, EVALUATOR)
+
+
+@pytest.mark.parametrize("spec, seeds", [("1", [0]), ("3", [0, 1, 2]), ("0,1", [0, 1]), ("4,", [4]),
+                                         ("2..4", [2, 3, 4]), (" 5..5 ", [5])])
+def test_parse_seeds(spec, seeds):
+    assert parse_seeds(spec) == seeds
+
+
+@pytest.mark.parametrize("spec, message", [("0", "a count must be >= 1"), ("x", "expected a count"),
+                                           ("1,1", "listed twice"), ("3..1", "the range is empty"),
+                                           ("-1,2", "must be >= 0"), ("", "expected a count")])
+def test_parse_seeds_errors(spec, message):
+    with pytest.raises(VariantError, match=message):
+        parse_seeds(spec)
+
+
+def test_envworker_factory_name_is_the_configs():
+    assert actors_by_factory(tomllib.loads(TINY.read_text()), ENVWORKER) == ["env"]

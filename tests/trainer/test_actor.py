@@ -18,7 +18,7 @@ from fleetrl.actors.trainer import checkpoint as ck
 from fleetrl.actors.weights import Follower, LocalDirStore, StoreSource
 from fleetrl.daemon.checkpoint import CheckpointStore
 from fleetrl.daemon.config import load_config_text
-from fleetrl.daemon.messages import RolloutFailed
+from fleetrl.daemon.messages import RolloutFailed, SamplerMismatch
 from fleetrl.daemon.state import StateDir
 from fleetrl.daemon.supervisor import Supervisor
 
@@ -98,9 +98,25 @@ async def test_actor_trains_publishes_and_a_follower_reaches_the_digest(model_di
                        ("attempt_failed", 1), ("malformed", 1)):
         assert f'fleetrl_trainer_groups_total{{actor="trainer",outcome="{outcome}"}} {n}.0'.encode() in metrics
     assert b'fleetrl_trainer_mismatch_kl_by_sampler{actor="trainer",sampler="torch/float32"}' in metrics
+    assert b'fleetrl_trainer_mismatch_out_of_band_by_sampler_id{actor="trainer",sampler_id="s-fp32"}' in metrics
+    assert b'fleetrl_trainer_mismatch_reports_total{actor="trainer",result="sent"} 2.0' in metrics
     # the stale group was reported to the pool as a typed rejection, not dropped
-    assert [type(x) for x in feed.GOT] == [StaleGroup]
-    assert feed.GOT[0].group_id == "old" and feed.GOT[0].staleness == 2
+    stale = [x for x in feed.GOT if isinstance(x, StaleGroup)]
+    assert len(stale) == 1 and stale[0].group_id == "old" and stale[0].staleness == 2
+    # and after each step the pool was told the measured mismatch of each sampler
+    reports = [x for x in feed.GOT if not isinstance(x, StaleGroup)]
+    assert [type(x) for x in reports] == [SamplerMismatch, SamplerMismatch]
+    assert [(x.step, x.version) for x in reports] == [(1, 1), (2, 2)]
+    figs = []
+    for x in reports:
+        [(ident, fig)] = x.by_sampler
+        assert ident.sampler_id == "s-fp32" and ident.dtype == "float32" and fig.tokens > 0
+        assert x.by_kind == {"torch/float32": fig} and (x.mask_low, x.mask_high) == (0.5, 5.0)
+        figs.append(fig)
+    # step 1 trains version-0 tokens at version 0 (fp32 sampler: no mismatch); step 2
+    # trains version-0 tokens at version 1, one large step later: the staleness shows
+    assert figs[0].kl_k3 < 1e-6 and figs[0].frac_out_of_band == 0.0
+    assert figs[1].kl_k3 > 1e-3
 
     tc, lines = _trained_ids(state_path)
     assert [x["step"] for x in lines] == [1, 2] and [x["version"] for x in lines] == [1, 2]

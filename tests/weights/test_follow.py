@@ -4,13 +4,15 @@ import pytest
 import torch
 
 from fleetrl.actors.weights import codec
-from fleetrl.actors.weights.follower import CastFollower, Follower, Fp8Follower, StoreSource
+from fleetrl.actors.weights.follower import CastFollower, Follower, Fp8Follower, StoreSource, Touched
 from fleetrl.actors.weights.manifest import ManifestError
 from fleetrl.actors.weights.metrics import VersionMetrics
 from fleetrl.actors.weights.publisher import Publisher, PublisherConfig
 from fleetrl.actors.weights.quant import quantize_fp8
 from fleetrl.actors.weights.store import LocalDirStore, MemoryStore
 from fleetrl.actors.weights.version import Layout, chunk_hashes, digest_of, specs_of, u16_view
+
+from .conftest import SHAPES
 
 
 @pytest.fixture
@@ -252,3 +254,69 @@ def test_a_restarted_publisher_resumes_after_the_stores_version(make, tmp_path):
     assert not m.anchor and m.version == 5 and m.delta_bytes > 0
     rep = f.sync(StoreSource(st))
     assert rep.route == "catchup" and f.digest == again.digest and same(f.weights, tr.bf16())
+
+
+def _changed(old, new):
+    return {n for n in new if not torch.equal(old[n].view(torch.int16), new[n].view(torch.int16))}
+
+
+def test_take_touched_names_exactly_the_changed_tensors(make):
+    tr, st, pub = make(window=2, anchor_every=100, store=MemoryStore())
+    w = tr.bf16()
+    pub.publish(w)
+    f = CastFollower.from_manifest(pub.manifest, dtype=torch.float32)
+    first = f.take_touched()  # nothing taken yet: everything is owed
+    assert first.full and first.names == tuple(SHAPES)
+    f.sync(StoreSource(st))
+    assert f.take_touched().full  # the anchor reset every tensor
+    assert f.take_touched() == Touched((), False)  # taken: nothing new
+    gen = torch.Generator().manual_seed(1)
+    for v in range(1, 9):
+        old = w
+        w = dict(w)
+        for name in ["attn", "bias", "mlp"][: v % 4]:  # 0..2 tensors, sometimes none
+            t = w[name].clone()
+            t.view(-1)[torch.randint(0, t.numel(), (3,), generator=gen)] += 0.5
+            w[name] = t
+        pub.publish(w)
+        f.sync(StoreSource(st))
+        t = f.take_touched()
+        assert not t.full and set(t.names) == _changed(old, w), v
+        assert list(t.names) == [n for n in SHAPES if n in t.names]  # layout order
+    # several deltas between two takes (one combined catch-up): the union of their changes
+    w = dict(w, ln=(w["ln"].float() + 1).to(torch.bfloat16))
+    pub.publish(w)
+    w = dict(w, bias=(w["bias"].float() + 1).to(torch.bfloat16))
+    pub.publish(w)
+    assert f.sync(StoreSource(st)).route == "catchup"
+    assert f.take_touched() == Touched(("ln", "bias"), False)
+    # a follower beyond the window takes the anchor route: every tensor
+    lag = Follower.from_manifest(pub.manifest)
+    lag.sync(StoreSource(st))
+    lag.take_touched()
+    for _ in range(4):
+        w = dict(w, ln=(w["ln"].float() + 1).to(torch.bfloat16))
+        pub.publish(w)
+    assert lag.sync(StoreSource(st)).route == "anchor"
+    assert lag.take_touched() == Touched(tuple(SHAPES), True)
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "row", "block128"])
+def test_fp8_follower_quantizes_only_the_named_tensors(make, scheme):
+    tr, st, pub = make(store=MemoryStore(), lr=3e-5)
+    pub.publish(tr.bf16())
+    f = Fp8Follower.from_manifest(pub.manifest, scheme=scheme, only=("attn", "mlp"))
+    for _ in range(4):
+        tr.step()
+        pub.publish(tr.bf16())
+        f.sync(StoreSource(st))
+        want = tr.bf16()
+        assert set(f.q) == set(f.scale) == set(f.weights) == {"attn", "mlp"}
+        for n in ("attn", "mlp"):
+            q, s = quantize_fp8(want[n], scheme)
+            assert torch.equal(f.q[n].view(torch.uint8), q.view(torch.uint8)) and torch.equal(f.scale[n], s)
+        assert same(f.shadow, want)  # the others are followed in bf16
+    with pytest.raises(ValueError, match="only= names tensors the stream does not have: nope"):
+        Fp8Follower.from_manifest(pub.manifest, scheme=scheme, only=("attn", "nope"))
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        Fp8Follower.from_manifest(pub.manifest, scheme="column")
