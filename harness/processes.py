@@ -15,14 +15,36 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 import trio
 
 from .forkserver import ForkedProcess, ForkServer, ForkServerFailed
 
-__all__ = ["CommandOutcome", "exit_reason", "kill_process_tree", "process_tree", "read_parent_map", "run_command", "tail_bytes"]
+__all__ = ["CommandOutcome", "exit_reason", "exit_with_parent", "kill_process_tree", "process_tree", "read_parent_map", "run_command", "tail_bytes"]
+
+
+def exit_with_parent(parent_pid: int, *, interval_s: float, end: Callable[[], None] = lambda: os._exit(3)) -> None:
+    """Call ``end`` (default: ``os._exit(3)``) once this process's parent is no longer
+    `parent_pid` (at once if it already is not): for child processes that must not
+    outlive the process that started them (trainer ranks, child samplers).
+
+    A daemon thread polls ``os.getppid()`` every ``interval_s``: the kernel's parent-death
+    signal would fire when the parent *thread* that spawned us exits, and Trio starts
+    processes from worker threads that it retires while the child is still wanted.
+    """
+    if os.getppid() != parent_pid:  # gone before we started watching
+        end()
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        end()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def exit_reason(code: int) -> str:

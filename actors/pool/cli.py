@@ -14,8 +14,6 @@ import argparse
 import os
 import signal
 import sys
-import threading
-import time
 from typing import Any
 
 import trio
@@ -132,27 +130,16 @@ async def _serve_until_terminated(cfg: Any, backend: Any, log: Any) -> None:
 def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
     """End this process once its parent is no longer `parent_pid`: SIGKILL to its whole
     process group when it leads one (a sampler started in a session of its own, with any
-    helper process its engine started), else ``os._exit(3)``.
-
-    A thread polls ``os.getppid()``: the kernel's parent-death signal would fire when the
-    parent *thread* that spawned us exits, and Trio starts processes from worker threads
-    that it retires while the child is still wanted.
-    """
+    helper process its engine started), else ``os._exit(3)``
+    (`fleetrl.harness.processes.exit_with_parent` watches)."""
+    from fleetrl.harness.processes import exit_with_parent as watch_parent
 
     def end() -> None:
         if os.getpgrp() == os.getpid():
             os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(3)
 
-    if os.getppid() != parent_pid:  # gone before we started watching
-        end()
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval_s)
-        end()
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    watch_parent(parent_pid, interval_s=interval_s, end=end)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,8 +30,6 @@ import argparse
 import os
 import socket
 import sys
-import threading
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fleetrl.actors.model import load_master_weights
+from fleetrl.harness.processes import exit_with_parent
 
 from . import dcp
 from .batch import build_batch
@@ -55,22 +54,6 @@ from .sharding import rank_rows
 from .step import build_optimizer, train_step
 
 __all__ = ["main"]
-
-def _exit_with_parent(interval_s: float = 1.0) -> None:
-    """End this process when the process that started it is gone (its parent pid changes).
-
-    A thread polls ``os.getppid()``: the kernel's parent-death signal would fire when the
-    parent *thread* that spawned us exits, and the trainer spawns ranks from a worker
-    thread that Trio may retire while the ranks are still wanted.
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval_s)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class Rank:
@@ -225,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--fd", type=int, default=None, help="rank 0: the socket to the trainer actor")
     args = ap.parse_args(argv)
-    _exit_with_parent()
+    exit_with_parent(os.getppid(), interval_s=1.0)  # no rank outlives the trainer that started it
     spec = msgspec.json.decode(Path(args.spec).read_bytes(), type=RankSpec)
     cfg = spec.config
     assert cfg.ranks is not None
