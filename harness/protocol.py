@@ -143,9 +143,13 @@ async def prepare_sandbox(task: Task, sandbox: SandboxLike, *, timeout_s: float 
 async def evaluate_in_sandbox(task: Task, sandbox: SandboxLike) -> tuple[float, int, str]:
     """Run the task's evaluator in the sandbox; returns (reward, exit code, stdout).
 
-    The reward follows ``tasks.reward_from_evaluator`` (which raises
-    ``EvaluatorOutputError`` for output it cannot read); an evaluator killed by its
-    timeout has exit code -1 and is scored as such."""
+    The evaluator's hidden ``files`` are written first (relative paths in the workdir),
+    so the agent never saw them. The reward follows ``tasks.reward_from_evaluator``
+    (which raises ``EvaluatorOutputError`` for output it cannot read); an evaluator
+    killed by its timeout has exit code -1 and is scored as such."""
+    if task.evaluator.files:
+        await sandbox.write_files({k if k.startswith("/") else _in_workdir(task, k): v
+                                   for k, v in task.evaluator.files.items()})
     r = await sandbox.exec(task.evaluator.command, timeout=task.evaluator.timeout_s, workdir=task.workdir)
     code = -1 if r.exit_code is None else int(r.exit_code)
     stdout = (r.stdout or b"").decode(errors="replace")

@@ -22,6 +22,7 @@ from fleetrl.daemon.files import write_atomic
 
 from .errors import FieldProblem, TaskError
 from .task_schema import Source, Task
+from .trace_messages import json_kind
 
 __all__ = [
     "LoadReport",
@@ -114,7 +115,7 @@ def decode_task_json(line: bytes | str, *, where: str) -> Task:
     except RecursionError:
         raise TaskError("invalid JSON: nested too deeply", where=where) from None
     if not isinstance(obj, dict):
-        raise TaskError(f"a task record must be a JSON object, got {_json_kind(obj)}", where=where)
+        raise TaskError(f"a task record must be a JSON object, got {json_kind(obj)}", where=where)
     return parse_task(obj, where=where)
 
 
@@ -125,22 +126,6 @@ def encode_task_json(task: Task) -> bytes:
     """One task as a single line of JSON (no trailing newline), every field written
     so that the file does not depend on this version's defaults."""
     return _ENCODER.encode(task)
-
-
-def _json_kind(obj: object) -> str:
-    match obj:
-        case None:
-            return "null"
-        case bool():
-            return "a boolean"
-        case int() | float():
-            return "a number"
-        case str():
-            return "a string"
-        case list():
-            return "an array"
-        case _:
-            return type(obj).__name__
 
 
 # --------------------------------------------------------------------------- files

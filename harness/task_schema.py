@@ -47,7 +47,7 @@ DEFAULT_WORKDIR = "/work"
 
 Role = Literal["system", "user", "assistant", "tool"]
 RewardKind = Literal["exit_code", "json", "fraction"]
-SourceKind = Literal["user", "humaneval", "synthetic", "trace"]
+SourceKind = Literal["user", "humaneval", "synthetic", "trace", "harbor"]
 
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -113,6 +113,23 @@ def _check_relative_path(key: str) -> str | None:
     return None
 
 
+def _check_evaluator_file_path(key: str) -> str | None:
+    """Why ``key`` is no valid `Evaluator.files` path, or None: a clean relative path
+    (as `Setup.files`), or a normalised absolute one (no ``..``, not ``/`` itself).
+    Whether an absolute path lies where the sandbox may write (/tmp or the workdir) is
+    checked by `Task`, which knows the workdir."""
+    if not key.startswith("/"):
+        return _check_relative_path(key)
+    if "\x00" in key:
+        return "path contains a NUL byte"
+    if "\\" in key:
+        return "path must use '/' separators"
+    norm = posixpath.normpath(key)
+    if norm != key or norm == "/" or norm.startswith("//"):
+        return f"path must be normalised (got {key!r}, normal form {norm!r})"
+    return None
+
+
 class Setup(_Struct, kw_only=True):
     """The starting state of the sandbox, built before the attempt.
 
@@ -153,16 +170,28 @@ class Evaluator(_Struct, kw_only=True):
     (`evaluator_output.split_group_output`). It must keep the attempts from affecting
     one another (the sandbox is reset only around the whole run). An attempt the output does not
     report is scored alone with ``command``.
+
+    ``files`` (path -> text) are hidden from the agent: they are written into the
+    sandbox only after the attempt, right before ``command`` (or ``group_command``)
+    runs, over whatever the agent left at those paths. A path is relative to the
+    workdir (as in `Setup.files`) or absolute; an absolute path must lie under /tmp
+    or the workdir, the only places a sandbox may write (`Task` checks it). A Harbor
+    task's tests travel here (docs/guides/harbor.md).
     """
 
     command: NonEmptyStr
     timeout_s: PositiveFloat = 60.0
     reward: RewardKind = "exit_code"
     group_command: NonEmptyStr | None = None
+    files: dict[str, str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.timeout_s):
             raise FieldProblem("timeout_s", "must be a finite number of seconds")
+        for key in self.files:
+            why = _check_evaluator_file_path(key)
+            if why is not None:
+                raise FieldProblem(f"files[{key!r}]", why)
 
 
 class Limits(_Struct, kw_only=True):
@@ -221,3 +250,9 @@ class Task(_Struct, kw_only=True):
         for key, value in self.metadata.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise FieldProblem(f"metadata[{key!r}]", "must be a finite number")
+        wd = posixpath.normpath(self.workdir)
+        for key in self.evaluator.files:
+            if key.startswith("/") and not (key.startswith("/tmp/") or key.startswith(wd.rstrip("/") + "/")):
+                raise FieldProblem(f"evaluator.files[{key!r}]",
+                                   f"an absolute path must lie under /tmp or the workdir {self.workdir}, "
+                                   "the only places a sandbox may write")

@@ -20,6 +20,7 @@ groups through that pool's pacer, as with the built-in harness.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Never
 
@@ -79,7 +80,8 @@ async def run(cfg: EnvWorkerConfig, ctx: ActorContext, *,
     """The environment worker actor (see the module docstring)."""
     external = cfg.harness == EXTERNAL
     harness = None if external else load_harness(cfg.harness, cfg.harness_config)
-    source = await trio.to_thread.run_sync(open_task_source, cfg.tasks, ctx.log)
+    source = await trio.to_thread.run_sync(functools.partial(open_task_source, cfg.tasks, ctx.log,
+                                                             daemon_dir=ctx.daemon_dir, state_dir=ctx.state_dir))
     cursor = TaskCursor(ctx.restored_as(CursorState))
 
     async def checkpoint() -> CursorState:

@@ -6,7 +6,8 @@ harness declares (``sandbox_use``, harness.protocol): ``"eager"`` leases and pre
 before the harness runs; ``"lazy"`` hands the harness a `sandboxing.LazySandbox` that
 leases on first use; a ``"files"`` harness writes into a `sandboxing.FileRecorder` and
 its group is scored together by a `sandboxing.GroupScorer`. A scored attempt becomes a
-`Trajectory` holding the token record of every model call.
+`Trajectory` holding the token record of every model call (and, with ``atif`` in the
+config, an ATIF file of it: `atif_files`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class AttemptRunner:
         self.harness = harness
         self.pool = pool
         self.sandbox_use = sandbox_use
+        self.atif_files: Any = None
+        """An `atif_files.AtifFiles` when each scored attempt is written as an ATIF file."""
 
     async def run(self, task: Task, ticket: AttemptTicket, model: Any, scorer: GroupScorer | None = None, *,
                   generated: Any = None) -> Trajectory | Failed:
@@ -82,7 +85,10 @@ class AttemptRunner:
         metrics["retokenization_breaks"] = float(sum(breaks.values()))
         for cause, n in breaks.items():
             metrics[f"retokenization_breaks/{cause}"] = float(n)
-        return record.trajectory(group_id=ticket.group_id, reward=reward, metrics=metrics)
+        trajectory = record.trajectory(group_id=ticket.group_id, reward=reward, metrics=metrics)
+        if self.atif_files is not None:  # never fails the attempt (atif_files logs what went wrong)
+            await self.atif_files.write(task, record, trajectory)
+        return trajectory
 
     async def _attempt_eager(self, task: Task, model: Any, limits: Limits) -> tuple[Episode, float, int] | Failed:
         """A sandbox leased and prepared before the harness runs, held until scored."""

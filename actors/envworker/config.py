@@ -11,7 +11,7 @@ import msgspec
 
 from .policy import RetryPolicy
 
-__all__ = ["EXTERNAL", "EnvWorkerConfig", "HumanEvalTasks", "JsonlTasks", "LocalModel", "PoolModel",
+__all__ = ["EXTERNAL", "AtifOutput", "EnvWorkerConfig", "HarborTasks", "HumanEvalTasks", "IngestedTasks", "JsonlTasks", "LocalModel", "PoolModel",
            "SandboxSettings", "ScoreBatching", "SyntheticTasks", "ToolLookupTasks"]
 
 EXTERNAL = "external"
@@ -55,7 +55,41 @@ class HumanEvalTasks(_Strict, tag="humaneval", tag_field="kind"):
     repeat: bool = True
 
 
-TaskSourceConfig = SyntheticTasks | ToolLookupTasks | JsonlTasks | HumanEvalTasks
+class HarborTasks(_Strict, tag="harbor", tag_field="kind"):
+    """Harbor task directories, read directly (docs/guides/harbor.md). Each of ``paths``
+    is a task directory (it holds task.toml) or a directory of them. Each task's image
+    is built locally when the source loads (skipped when built before). Invalid
+    directories are logged and skipped; ``repeat`` as for ``jsonl``."""
+
+    paths: tuple[str, ...]
+    image_map: dict[str, str] = {}
+    """FROM image -> local image, e.g. ``{"python:3.11-slim" = "fleetrl-sandbox:py311"}``:
+    nothing is pulled, so every FROM must be local or mapped."""
+    repeat: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            raise ValueError("tasks.paths: give at least one Harbor task directory (or a directory of them)")
+
+
+TaskSourceConfig = SyntheticTasks | ToolLookupTasks | JsonlTasks | HumanEvalTasks | HarborTasks
+
+
+class IngestedTasks(_Strict, tag="ingested", tag_field="kind"):
+    """Tasks the ingest actor (``fleetrl.actors.ingest:run``) accepted, picked up while the
+    daemon runs, then ``base``'s tasks (docs/guides/ingest.md): each ingested task runs
+    once, before the base source's next task; with no base (or an exhausted one) the
+    worker waits for the next ingested task."""
+
+    store_dir: Annotated[str, msgspec.Meta(min_length=1)] = "ingest"
+    """The ingest actor's ``store_dir`` (relative to the daemon's state directory)."""
+    base: TaskSourceConfig | None = None
+    """Any other source (``{kind = "synthetic"}``, ...); None: ingested tasks only."""
+    poll_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 1.0
+    """How often a worker with nothing to run looks at the store again."""
+
+
+TaskSourceConfig = TaskSourceConfig | IngestedTasks  # noqa: PLW0127
 
 
 # -- model --------------------------------------------------------------------------------
@@ -118,6 +152,22 @@ class ScoreBatching(_Strict):
     """Batches running at once; groups that finish meanwhile queue (and fill batches)."""
 
 
+# -- trajectory files ---------------------------------------------------------------------
+
+class AtifOutput(_Strict):
+    """Each scored attempt written as an ATIF file (docs/guides/atif.md): its conversation,
+    and per model call the prompt and completion ids, log-probs, weight versions and
+    sampler identity the trainer got, and the reward."""
+
+    dir: str | None = None
+    """Where: default ``<state>/trajectories/<worker name>``; a relative path is taken
+    from the daemon's state directory."""
+    max_files: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1000
+    """Files kept in ``dir``: past this many, the oldest (by modification time) are removed."""
+    support: bool = False
+    """Also write each token's support (the ids and log-probs the sampler could choose from)."""
+
+
 # -- the worker ---------------------------------------------------------------------------
 
 class EnvWorkerConfig(_Strict):
@@ -164,6 +214,9 @@ class EnvWorkerConfig(_Strict):
     (false: one lease and evaluator exec per attempt)."""
     score_batching: ScoreBatching = ScoreBatching()
     """Whether and how group scoring shares leases and engine execs across groups."""
+    atif: bool | str | AtifOutput = False
+    """Write each scored attempt as ``<dir>/<attempt>.atif.json`` (`AtifOutput`): ``true``
+    (the defaults), a directory, or a table of `AtifOutput` settings; ``false``: none."""
 
     def __post_init__(self) -> None:
         if self.harness == EXTERNAL:
@@ -181,6 +234,7 @@ class EnvWorkerConfig(_Strict):
         if self.retry.max_failed_per_group is not None and self.retry.max_failed_per_group > self.group_size:
             raise ValueError(f"retry.max_failed_per_group={self.retry.max_failed_per_group} exceeds "
                              f"group_size={self.group_size}")
+        self.atif_output()  # an empty directory name is refused at load
         if self.sandbox.max_warm > self.sandbox.max_containers:
             raise ValueError(f"sandbox.max_warm={self.sandbox.max_warm} exceeds "
                              f"sandbox.max_containers={self.sandbox.max_containers}")
@@ -193,6 +247,18 @@ class EnvWorkerConfig(_Strict):
             return msgspec.convert(self.harness_config, ExternalCommand)
         except msgspec.ValidationError as exc:
             raise ValueError(f"harness_config for the external harness: {exc}") from None
+
+    def atif_output(self) -> AtifOutput | None:
+        """``atif`` as settings, or None when no files are written."""
+        if self.atif is False:
+            return None
+        if self.atif is True:
+            return AtifOutput()
+        if isinstance(self.atif, str):
+            if not self.atif:
+                raise ValueError("atif: give a directory, true or false (not an empty string)")
+            return AtifOutput(dir=self.atif)
+        return self.atif
 
     @property
     def groups_in_flight(self) -> int:

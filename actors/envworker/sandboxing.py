@@ -73,7 +73,8 @@ def _placed(task: Task, path: str, *, tmp: bool) -> str | None:
 def scoring_spec(task: Task, files: Mapping[str, bytes | str]) -> ExecSpec | None:
     """The `ExecSpec` that scores an attempt at `task` that wrote `files` (paths absolute
     or relative to the workdir): the task's setup files, then the attempt's (which win),
-    then the task's evaluator. None when a path is one ``Sandbox.write_files`` refuses
+    then the evaluator's hidden ``files`` (which win over both), then the task's
+    evaluator command. None when a path is one ``Sandbox.write_files`` refuses
     (a ``..`` component, or outside the workdir and /tmp): on the per-attempt path the
     harness's ``write_files`` raises then, a harness crash."""
     merged: dict[str, bytes | str] = {}
@@ -82,8 +83,17 @@ def scoring_spec(task: Task, files: Mapping[str, bytes | str]) -> ExecSpec | Non
         if full is None:
             return None
         merged[full] = content
+    merged.update(_evaluator_files(task))
     return ExecSpec(cmd=task.evaluator.command, timeout=task.evaluator.timeout_s, workdir=task.workdir,
                     files=merged)
+
+
+def _evaluator_files(task: Task) -> dict[str, bytes | str]:
+    """The evaluator's hidden files at their absolute paths (the task's validation put
+    them under the workdir or /tmp); written after the attempt's, so they win."""
+    wd = posixpath.normpath(task.workdir)
+    return {name if name.startswith("/") else posixpath.join(wd, name): content
+            for name, content in task.evaluator.files.items()}
 
 
 def group_scoring_spec(task: Task, attempts: list[Mapping[str, bytes | str]]) -> ExecSpec | None:
@@ -94,7 +104,7 @@ def group_scoring_spec(task: Task, attempts: list[Mapping[str, bytes | str]]) ->
     wrote a file that cannot be placed there (outside the workdir, e.g. /tmp, or a path
     ``scoring_spec`` refuses): such a group is scored one program per attempt."""
     command = task.evaluator.group_command
-    setup = scoring_spec(task, {})  # the task's setup files, placed
+    setup = scoring_spec(task, {})  # the task's setup files and the evaluator's, placed
     if command is None or not attempts or setup is None:
         return None
     wd = posixpath.normpath(task.workdir)
@@ -105,6 +115,7 @@ def group_scoring_spec(task: Task, attempts: list[Mapping[str, bytes | str]]) ->
             if full is None:
                 return None
             merged[posixpath.join(wd, GROUP_DIR, str(k), posixpath.relpath(full, wd))] = content
+    merged.update(_evaluator_files(task))
     return ExecSpec(cmd=command, timeout=task.evaluator.timeout_s * len(attempts), workdir=task.workdir,
                     files=merged)
 

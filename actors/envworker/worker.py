@@ -26,6 +26,7 @@ from fleetrl.daemon.messages import RolloutFailed, Trajectory
 from fleetrl.harness.protocol import Harness, sandbox_use_of
 from fleetrl.harness.tasks import Task
 
+from .atif_files import AtifFiles, atif_dir
 from .attempt import AttemptRunner, Failed, sandbox_limits
 from .config import EnvWorkerConfig, PoolModel
 from .cursor import TaskCursor
@@ -143,6 +144,10 @@ class _Worker:
         self.abandoning = False
         self.sandbox_use = "eager" if harness is None else sandbox_use_of(harness)
         self.runner = AttemptRunner(cfg, harness, pool, self.sandbox_use)
+        atif = cfg.atif_output()
+        if atif is not None:
+            self.runner.atif_files = AtifFiles(atif_dir(ctx.daemon_dir, ctx.name, atif), max_files=atif.max_files,
+                                               log=self.log, support=atif.support)
         self.pacing = None
         if paced_by is not None:  # the pool (handle) and its setting: actor.pacing_of
             pacer_pool, setting = paced_by
@@ -275,13 +280,15 @@ class _Worker:
             self.cursor.finish(index)
 
     # -- the task loop ----------------------------------------------------------------------
-    async def acquire_unless_draining(self, sem: trio.Semaphore) -> bool:
-        got = False
+    async def unless_draining(self, wait: Any) -> tuple[bool, Any]:
+        """``(True, await wait())``, or ``(False, None)`` when the daemon starts draining
+        first (`wait` is then cancelled)."""
+        done, value = False, None
         async with trio.open_nursery() as n:
             async def take() -> None:
-                nonlocal got
-                await sem.acquire()
-                got = True
+                nonlocal done, value
+                value = await wait()
+                done = True
                 n.cancel_scope.cancel()
 
             async def drain() -> None:
@@ -289,10 +296,23 @@ class _Worker:
                 n.cancel_scope.cancel()
             n.start_soon(take)
             n.start_soon(drain)
+        return done, value
+
+    async def acquire_unless_draining(self, sem: trio.Semaphore) -> bool:
+        got, _ = await self.unless_draining(sem.acquire)
         if got and self.ctx.draining:
             sem.release()
             return False
         return got
+
+    async def task_at(self, source: Any, index: int) -> Task | None:
+        """Task number `index` of `source`; a source with ``wait_get`` (the ingested
+        tasks) is awaited until it has one, or None once the daemon drains."""
+        wait_get = getattr(source, "wait_get", None)
+        if wait_get is None:
+            return source.get(index)
+        _, task = await self.unless_draining(lambda: wait_get(index))
+        return task
 
     async def abandon_after_grace(self) -> None:
         await self.ctx.wait_draining()
@@ -318,11 +338,12 @@ class _Worker:
                     if self.ctx.draining or not await self.acquire_unless_draining(groups_free):
                         break
                     index = self.cursor.take()
-                    task = source.get(index)
+                    task = await self.task_at(source, index)
                     if task is None:
                         self.cursor.release(index)
                         groups_free.release()
-                        self.log.info("task source exhausted", source=source.describe, tasks=index)
+                        if not self.ctx.draining:
+                            self.log.info("task source exhausted", source=source.describe, tasks=index)
                         break
                     taken += 1
                     self.tasks_taken += 1

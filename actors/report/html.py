@@ -93,8 +93,11 @@ def summary_rows(s: Summary) -> list[tuple[str, str]]:
     return rows
 
 
-def render_html(s: Summary, plots: Mapping[str, tuple[str, str]], *, title: str) -> str:
-    """The page: a summary table, then each plot (file name -> (title, caption))."""
+def render_html(s: Summary, plots: Mapping[str, tuple[str, str]], *, title: str,
+                trajectories: tuple[str, int] | None = None) -> str:
+    """The page: a summary table, then each plot (file name -> (title, caption)).
+    ``trajectories``: (relative link, count) of the run's rollout files (ATIF), listed
+    under the rollouts trained."""
     esc = html.escape
     out = [
         "<!DOCTYPE html>",
@@ -108,6 +111,10 @@ def render_html(s: Summary, plots: Mapping[str, tuple[str, str]], *, title: str)
     ]
     for label, value in summary_rows(s):
         out.append(f"<tr><th>{esc(label)}</th><td>{esc(value)}</td></tr>")
+        if label == "rollouts trained" and trajectories is not None:
+            href, n = trajectories
+            out.append(f'<tr><th>rollout trajectories (ATIF files)</th><td><a href="{esc(quote(href))}/">'
+                       f"{n} file{'s' if n != 1 else ''} in {esc(href)}/</a></td></tr>")
     out.append("</table>")
     for path in s.truncated:
         out.append(f'<p class="note">{esc(path)}: its last line was cut short (the run was '

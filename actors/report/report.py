@@ -3,11 +3,14 @@
 Reads ``<state>/actors/trainer/metrics.jsonl`` (the trainer's `StepMetrics`, one per
 step) and ``<state>/actors/evaluator/eval.jsonl`` (held-out evaluations). Actors named
 otherwise are found too, as long as there is only one file of each kind under
-``<state>/actors/*/``. docs/guides/report.md says how to read the result.
+``<state>/actors/*/``. When the environment workers wrote their attempts as ATIF files
+(``<state>/trajectories/``, docs/guides/atif.md), the page links them beside the
+rollouts trained. docs/guides/report.md says how to read the result.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -18,9 +21,10 @@ from .plots import (PLOTS, plot_delta_ratio, plot_grad_norm, plot_learning, plot
 from .records import Log, ReportInputError, read_evals, read_metrics
 from .summary import summarize
 
-__all__ = ["REPORT_FILE", "find_log", "write_report"]
+__all__ = ["REPORT_FILE", "TRAJECTORIES_DIR", "find_log", "trajectory_files", "write_report"]
 
 REPORT_FILE = "index.html"
+TRAJECTORIES_DIR = "trajectories"
 SUMMARY_FILE = "summary.json"
 
 
@@ -69,5 +73,19 @@ def write_report(state_dir: Path, out_dir: Path) -> Path:
     plot_delta_ratio(steps, out_dir / "delta_ratio.png")
     (out_dir / SUMMARY_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
     page = out_dir / REPORT_FILE
-    page.write_text(render_html(summary, PLOTS, title=_run_title(state_dir)), encoding="utf-8")
+    page.write_text(render_html(summary, PLOTS, title=_run_title(state_dir),
+                                trajectories=trajectory_files(state_dir, out_dir)), encoding="utf-8")
     return page
+
+
+def trajectory_files(state_dir: Path, out_dir: Path) -> tuple[str, int] | None:
+    """``<state>/trajectories`` (the environment workers' ATIF files, ``atif`` in their
+    config) as a link relative to ``out_dir`` and the number of files under it; None when
+    there are none."""
+    tdir = Path(state_dir) / TRAJECTORIES_DIR
+    if not tdir.is_dir():
+        return None
+    n = sum(1 for p in tdir.rglob("*.atif.json") if p.is_file())
+    if not n:
+        return None
+    return Path(os.path.relpath(tdir.resolve(), Path(out_dir).resolve())).as_posix(), n

@@ -1,0 +1,2 @@
+#!/bin/bash
+printf '%s!\n' "$(tr '[:lower:]' '[:upper:]' < /app/greeting.txt)" > /app/shout.txt

@@ -1,0 +1,10 @@
+"""Shared helpers of the ingest tests: ``ingest_traces`` (trace lines) importable by name."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
