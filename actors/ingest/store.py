@@ -38,14 +38,12 @@ import msgspec
 from fleetrl.daemon.files import fsync_dir
 from fleetrl.harness.tasks import Task
 
+from .errors import StoreError
+
 __all__ = ["STORE_FILE", "AppendResult", "StoreError", "StoreReader", "StoredTask", "TaskStore", "task_key"]
 
 STORE_FILE = "tasks.jsonl"
 LOCK_FILE = "store.lock"
-
-
-class StoreError(RuntimeError):
-    """The store cannot be used: held by another writer, or unreadable."""
 
 
 class StoredTask(msgspec.Struct, frozen=True, kw_only=True):
