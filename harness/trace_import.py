@@ -40,7 +40,7 @@ from .task_schema import MetadataValue, Source, Task
 from .trace_formats import read_fleetrl_traces, read_mini_swe_agent, read_openai_log
 from .trace_messages import decode_json
 from .trace_sessions import Session, SessionProblem, SessionRead
-from .traces import _Skip as _NoTurn
+from .traces import _Skip as _SkipSession  # a session that makes no task: field and why
 from .traces import turn_prefix
 
 __all__ = [
@@ -199,13 +199,6 @@ class SessionImport(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- conversion
 
 
-class _SkipSession(HarnessError):
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(reason)
-        self.field = field
-        self.reason = reason
-
-
 def _failed(session: Session, fail_below: float) -> bool | None:
     if session.outcome is not None:
         return session.outcome == "failure"
@@ -305,10 +298,7 @@ def tasks_from_sessions(
         used = False
         for turn in turns:
             try:
-                try:
-                    end = turn_prefix([m.role for m in session.messages], turn)
-                except _NoTurn as err:
-                    raise _SkipSession(err.field, err.reason) from None
+                end = turn_prefix([m.role for m in session.messages], turn)  # raises _SkipSession
                 cut = session.messages[:end]
                 digest = _cut_digest(template.id, cut)
                 if digest in seen:
