@@ -189,6 +189,12 @@ def cmd_traces_import(args: argparse.Namespace) -> int:
 
     if args.from_turn is not None and args.from_turn < 0:
         return _fail(f"--from-turn must be >= 0, got {args.from_turn}")
+    for path in args.files:
+        try:
+            if os.path.exists(args.out) and os.path.samefile(path, args.out):
+                return _fail("--out must not be the input file")
+        except OSError:
+            pass  # the input does not exist: reported below
     if args.format != "fleetrl" or args.template or args.template_harbor or args.at is not None:
         from .cli_traces import cmd_traces_import_sessions
 
@@ -196,11 +202,6 @@ def cmd_traces_import(args: argparse.Namespace) -> int:
     if len(args.files) != 1:
         return _fail("our own trace format takes one file (several need --template or --template-harbor)")
     args.file = args.files[0]
-    try:
-        if os.path.exists(args.out) and os.path.samefile(args.file, args.out):
-            return _fail("--out must not be the input file")
-    except OSError:
-        pass  # the input does not exist: reported below
     try:
         with open(args.file, "rb") as fh:
             result = tasks_from_traces(

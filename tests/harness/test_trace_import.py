@@ -363,3 +363,15 @@ def test_worked_example_in_docs_is_what_the_code_does(tmp_path):
     assert f'"id": "{task.id}"' in doc
     assert task.source == Source(kind="trace", ref="proxy.jsonl:3", trace_id="run-a", from_turn=1)
     assert [m.role for m in task.messages or []] == ["system", "user", "assistant", "tool"]
+
+
+def test_cli_refuses_to_write_over_an_input_with_a_template(tmp_path, capsys):
+    tpl = tmp_path / "tpl.jsonl"
+    dump_tasks_jsonl([TEMPLATE], tpl)
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(LOG.read_bytes())
+    argv = ["traces", "import", str(LOG), str(log), "--format", "openai-log", "--template", str(tpl),
+            "--out", str(log)]
+    assert run(argv) == 2
+    assert "--out must not be the input file" in capsys.readouterr().err
+    assert log.read_bytes() == LOG.read_bytes()  # the input is untouched
