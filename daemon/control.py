@@ -34,7 +34,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-__all__ = ["ControlPlane", "MountTable", "build_app", "serve_control"]
+__all__ = ["BACKLOG", "KEEP_ALIVE_S", "ControlPlane", "MountTable", "build_app", "serve_control"]
+
+KEEP_ALIVE_S = 120.0
+"""Seconds a connection may stay idle (a new one: until its request is read)."""
+BACKLOG = 2048
+"""Connections the kernel queues before the server accepts them (hypercorn: 100)."""
 
 ASGIApp = Callable[[dict[str, Any], Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]],
                    Awaitable[None]]
@@ -206,6 +211,13 @@ async def serve_control(app: ASGIApp, host: str, port: int, *,
     quiet.propagate = False
     cfg.errorlog = quiet
     cfg.graceful_timeout = 2.0
+    # hypercorn closes a connection that is idle for keep_alive_timeout, and a new one
+    # counts as idle until its request has been read: with 5 s (its default) a burst of
+    # requests to a busy process (256 at once while a decode holds the GIL) was partly
+    # reset before being read (docs/results/peers.md). Idle keep-alive connections stay
+    # open this long too, which costs a socket each.
+    cfg.keep_alive_timeout = KEEP_ALIVE_S
+    cfg.backlog = BACKLOG
     log = logging.getLogger("fleetrl.control")
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

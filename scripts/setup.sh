@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian 12 machine (as root) and fast when done:
-#   1. a virtualenv in .venv with the package (editable) and its test extras (torch by
-#      pip from the machine's CPU wheel, the rest by uv from its shared cache);
+#   1. a virtualenv in .venv with the package (editable) and its test, vLLM and bench
+#      extras (torch by pip from the machine's CPU wheel, the rest by uv from its shared
+#      cache);
 #   2. a running Docker engine (installs docker.io and debootstrap when missing);
 #   3. the sandbox base image (built from a Debian root filesystem, cached by recipe).
 # Each step is skipped when its stamp or probe says it is already in place.
@@ -35,7 +36,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     # seconds where pip took minutes (docs/results/tiny-run.md, session 9).
     "$VENV/bin/pip" install -q "uv==$UV_VERSION"
     uv=("$VENV/bin/uv" pip --quiet)
-    "${uv[@]}" install --python "$VENV/bin/python" "$torch_wheel" -e ".[test,vllm]"
+    "${uv[@]}" install --python "$VENV/bin/python" "$torch_wheel" -e ".[test,vllm,bench]"
     # PyPI's torchvision/torchaudio/torchcodec break `import vllm` beside the CPU torch.
     "${uv[@]}" uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec 2>/dev/null || true
     now=$("$VENV/bin/python" -W ignore -c 'import torch; print(torch.__version__)')

@@ -46,7 +46,8 @@ class GroupPacing:
     async def admit(self, paced: Paced) -> bool:
         """Admit the group's G slots through the pool's pacer, one after another (so its
         slots hold consecutive places in the release order). False: the drain deadline
-        cut the wait short (what was admitted is finished as failed by the caller)."""
+        cut the wait short (what was admitted is finished as failed by the caller; the
+        worker also cancels the wait itself when the drain begins)."""
         self.awaiting[paced.group_id] = paced
         scope = trio.CancelScope()
         self.scopes.add(scope)

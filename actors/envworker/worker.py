@@ -8,15 +8,18 @@ the group has ended, the group (`group.GroupTracker`) is sent as one `RolloutGro
 reported as incomplete. With pacing (``model.kind = "pool"``, ``pacing = true``) the
 group's slots go through the pool's staleness pacer (`pacing.GroupPacing`).
 
-Drain (shutdown): no new task is taken and no failed attempt is retried; attempts in
-flight may finish for ``drain_grace_s``; then they are cancelled and each is reported
-as a ``timeout`` failure "abandoned at shutdown". A group with an abandoned attempt is
+Drain (shutdown): no new task is taken and no failed attempt is retried; a group still
+waiting for the pacer's admission is abandoned at once (it has started nothing, and the
+pacer would not admit it before the trainer steps again); attempts in flight may finish
+for ``drain_grace_s``; then they are cancelled and each is reported as a ``timeout``
+failure "abandoned at shutdown". A group with an abandoned attempt is
 never emitted and its task is not marked finished, so the checkpointed cursor
 (`cursor.CursorState`) keeps it due and the next start runs it again from scratch.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -233,7 +236,10 @@ class _Worker:
                                    policy=self.cfg.retry)
             paced = Paced(group_id) if self.pacing is not None else None
             try:
-                admitted = paced is None or await self.pacing.admit(paced)
+                admitted = True
+                if paced is not None:  # an admission wait ends when the drain begins: nothing has started
+                    got, ok = await self.unless_draining(partial(self.pacing.admit, paced))
+                    admitted = got and bool(ok)
                 tickets = tracker.start()
                 if not admitted:
                     for t in tickets:

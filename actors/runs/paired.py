@@ -32,7 +32,7 @@ from fleetrl.actors.report.summary import last_eval
 
 from .compare import RunStats
 
-__all__ = ["ArmComparison", "Diff", "SeedDiff", "compare_arms", "paired_pass_diff", "scalar_diff",
+__all__ = ["ArmComparison", "Diff", "SeedDiff", "compare_arms", "paired_interval", "paired_pass_diff", "scalar_diff",
            "t_interval", "T_975"]
 
 #: two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
@@ -89,6 +89,16 @@ def _bootstrap(diffs: Sequence[np.ndarray], joint: bool, rng: np.random.Generato
         stats = np.mean(per, axis=0)
     lo, hi = np.quantile(stats, [0.025, 0.975])
     return float(lo), float(hi)
+
+
+def paired_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high) of ``a[i] - b[i]`` over paired items (per task: 1.0 passed, 0.0
+    not), with a 95% bootstrap interval over the items (fixed generator seed)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_interval needs two equal, non-empty sequences, got {len(a)} and {len(b)} items")
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    lo, hi = _bootstrap([d], True, np.random.default_rng(BOOTSTRAP_SEED))
+    return float(d.mean()), lo, hi
 
 
 def _passes(row: EvalRow) -> np.ndarray:

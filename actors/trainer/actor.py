@@ -289,6 +289,7 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
 
     def offer(group: RolloutGroup) -> None:
         trainer.task_cursor += 1
+        trainer.note_received(group)
         try:
             check_group(group, trainer.vocab_size)
             outcome = trainer.buffer.offer(group, trainer.version)

@@ -83,6 +83,7 @@ class Trainer:
         self.resumed_from: str = "fresh"
         self._applied = False
         self._elapsed_before = 0.0  # seconds run by earlier incarnations (from the checkpoint)
+        self._received = [0, 0]  # groups and generated tokens received since the last metrics line
         self._started = self.clock()
 
     # -- start ------------------------------------------------------------------------
@@ -178,13 +179,19 @@ class Trainer:
                 self.buffer.put_back(batch)
             raise
 
+    def note_received(self, group: RolloutGroup) -> None:
+        """Count a group the actor received (any outcome) for the next metrics line."""
+        self._received[0] += 1
+        self._received[1] += sum(t.n_generated for t in group.trajectories)
+
     def train(self, groups: Sequence[RolloutGroup]) -> StepMetrics:
         """One step on ``groups`` (already taken from the buffer); publish; log; checkpoint."""
         lr = self.lr_now()
         m = self.engine.train(groups, lr=lr, step=self.step, trainer_version=self.version)
         cost = batch_cost_usd(groups)
         m = msgspec.structs.replace(m, lr=lr, cost_usd=cost, elapsed_s=self.elapsed_s,
-                                    usd_per_rollout=cost / m.trajectories if m.trajectories else 0.0)
+                                    usd_per_rollout=cost / m.trajectories if m.trajectories else 0.0,
+                                    groups_received=self._received[0], tokens_received=self._received[1])
         if m.skipped:
             m = msgspec.structs.replace(m, version=self.version)
         else:
@@ -192,6 +199,7 @@ class Trainer:
             self.step = m.step
         with self.metrics_path.open("ab") as fh:
             fh.write(msgspec.json.encode(m) + b"\n")
+        self._received = [0, 0]
         if not m.skipped and self.step <= self.cfg.record_batches:
             out = self.state_dir / "batches" / f"step-{self.step}.json"
             out.parent.mkdir(exist_ok=True)

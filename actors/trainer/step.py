@@ -78,6 +78,13 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     rows: int = 0
     tokens: int = 0
     """Generated tokens in the batch (loss-mask positions)."""
+    groups_received: int = 0
+    """Groups the trainer received since the previous line, whatever became of them
+    (admitted, zero-variance, stale, duplicate; set by the trainer): with ``groups``,
+    the share of sampled work that carried a gradient."""
+    tokens_received: int = 0
+    """Generated tokens of those groups (set by the trainer): the fleet's generation
+    rate, discarded groups included, where ``tokens`` counts only the trained ones."""
     loss: float = 0.0
     grad_norm: float = 0.0
     """Global L2 norm of the gradient before clipping."""

@@ -223,3 +223,29 @@ async def test_a_server_that_keeps_crashing_is_not_restarted_forever():
                                   serve_fn=always_crashing, max_restarts=2))
     assert info.group_contains(trio.BusyResourceError)
     assert len(calls) == 3
+
+
+async def test_a_connection_that_sends_its_request_late_is_still_served():
+    """A new connection counts as idle until its request is read; a busy server reads
+    late. hypercorn's default (5 s) reset such connections; ours waits KEEP_ALIVE_S."""
+    from fleetrl.daemon.control import KEEP_ALIVE_S, MountTable, build_app, serve_control
+
+    class Plane:
+        def status(self):
+            return {}
+
+    assert KEEP_ALIVE_S > 60
+    stop = trio.Event()
+    app = build_app(Plane(), "token", MountTable())
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n:
+            _, port = await n.start(partial(serve_control, app, "127.0.0.1", 0, shutdown_trigger=stop.wait))
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await trio.sleep(6.5)  # past hypercorn's own 5 s
+            await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while chunk := await stream.receive_some(4096):
+                reply += chunk
+            await stream.aclose()
+            stop.set()
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]

@@ -10,7 +10,7 @@ import pytest
 
 from fleetrl.actors.report.records import EvalRow
 from fleetrl.actors.runs.compare import run_stats
-from fleetrl.actors.runs.paired import compare_arms, paired_pass_diff, scalar_diff, t_interval
+from fleetrl.actors.runs.paired import compare_arms, paired_interval, paired_pass_diff, scalar_diff, t_interval
 from fleetrl.actors.runs.tables import arms_table, diff_table, runs_table
 from fleetrl.actors.trainer.step import StepMetrics
 
@@ -103,3 +103,16 @@ def test_compare_arms_and_tables():
     arms = arms_table(runs)
     assert "| (b) arm | n/a | n/a | 0.375 [0.350, 0.400] |" in arms and "seed 1 (step 9)" in arms
     assert "| 1 | (b) arm | 0 | 9/8 | 10 s | n/a | n/a | non-finite loss, gradient or reward at step 9 |" in runs_table(runs)
+
+
+def test_paired_interval_of_two_sequences():
+    a = [1.0] * 30 + [0.0] * 70
+    b = [0.0] * 10 + [1.0] * 20 + [0.0] * 70  # a passes 10 tasks more, the same 20 both pass
+    m, lo, hi = paired_interval(a, b)
+    assert math.isclose(m, 0.10) and 0.0 < lo < m < hi < 0.2
+    assert paired_interval(b, b) == (0.0, 0.0, 0.0)
+    assert paired_interval(a, b) == (m, lo, hi)  # fixed generator seed: reproducible
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired_interval([1.0], [1.0, 0.0])
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired_interval([], [])

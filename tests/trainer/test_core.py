@@ -75,3 +75,30 @@ def test_record_batches_writes_what_the_first_steps_trained(model_dir, groups, t
         assert row["prompt_ids"] == prompt  # the context: never in the loss
         assert row["loss_tokens"] == seg.token_ids.to_numpy().tolist()  # exactly the generated tokens
         assert row["versions"] == [0] * len(row["loss_tokens"])
+
+
+def test_metrics_lines_count_every_group_received_once(model_dir, groups, tmp_path):
+    """groups_received / tokens_received: every group offered since the previous line
+    (a zero-variance one too), counted in exactly one line."""
+    import json
+
+    cfg = TrainerConfig(model_dir=model_dir, groups_per_step=1, checkpoint_every=100)
+    t = Trainer(cfg, tmp_path, "run-1")
+    t.start(None)
+    prompt = [BOS_ID, *b"hi"]
+    a = groups.sampled(model_dir, "a", prompt, [1.0, 0.0], seed=3)
+    flat = groups.sampled(model_dir, "flat", prompt, [1.0, 1.0], seed=4)
+    b = groups.sampled(model_dir, "b", prompt, [0.0, 1.0], seed=5)
+    for g in (a, flat):
+        t.note_received(g)
+        t.buffer.offer(g, t.version)
+    m1, _ = t.take_and_train()
+    t.note_received(b)
+    t.buffer.offer(b, t.version)
+    m2, _ = t.take_and_train()
+    tokens = {g.group_id: sum(x.n_generated for x in g.trajectories) for g in (a, flat, b)}
+    assert all(n > 0 for n in tokens.values())
+    assert (m1.groups, m1.groups_received, m1.tokens_received) == (1, 2, tokens["a"] + tokens["flat"])
+    assert (m2.groups, m2.groups_received, m2.tokens_received) == (1, 1, tokens["b"])
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["groups_received"] for x in lines] == [2, 1]
