@@ -193,9 +193,9 @@ def fleetrl_config(config: Path, state: Path, models: Path, args: argparse.Names
     tr = trainer_config(cfg)
     tr.update(lr=args.lr, lr_schedule="cosine", lr_min_ratio=0.1, lr_warmup_steps=0, groups_per_step=args.groups,
               grad_clip=1.0, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, temperature=1.0)
-    for name, actor in cfg["actors"].items():
-        c = actor.get("config", {})
+    for actor in cfg["actors"].values():
         if actor.get("factory") == "fleetrl.actors.envworker:run":
+            c = actor["config"]
             c["group_size"] = args.group_size
             c["tasks"] = {"kind": "synthetic", "seed": 0}
             c["harness_config"] = {**c.get("harness_config", {}), "max_tokens": 48, "temperature": 1.0,
