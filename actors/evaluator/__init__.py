@@ -7,8 +7,9 @@ docs/guides/tiny-run.md describes how the embedded default uses it.
 
 from .actor import run
 from .config import EvalSandboxSettings, EvaluatorConfig
-from .records import EvalRecord, EvalState, is_due, make_record, step_of
+from .records import EvalRecord, EvalState, is_due, make_record, step_of, tool_use
 from .scoring import SandboxScores, ScoringError, bundle_files, rewards_from_report, score_in_sandbox
 
 __all__ = ["EvalRecord", "EvalSandboxSettings", "EvalState", "EvaluatorConfig", "SandboxScores", "ScoringError",
-           "bundle_files", "is_due", "make_record", "rewards_from_report", "run", "score_in_sandbox", "step_of"]
+           "bundle_files", "is_due", "make_record", "rewards_from_report", "run", "score_in_sandbox", "step_of",
+           "tool_use"]

@@ -35,7 +35,7 @@ from fleetrl.harness.synthetic_tools import generate_tool_tasks
 from fleetrl.sandboxes import Limits, Ownership, WarmPolicy, open_sandbox_pool
 
 from .config import EvaluatorConfig
-from .records import EvalRecord, EvalState, is_due, make_record, step_of
+from .records import EvalRecord, EvalState, is_due, make_record, step_of, tool_use
 from .scoring import score_in_sandbox
 
 __all__ = ["EvaluatorStatistics", "Inbox", "run"]
@@ -112,8 +112,9 @@ class _Evaluator:
         records = []
         for split, tasks in self.tasks.items():
             t0 = time.monotonic()
+            calls: list[int] = []
             if self.cfg.tasks == "tool_lookup":
-                rewards, errors, score_s = await self._tool_rewards(tasks), 0, 0.0
+                (rewards, calls), errors, score_s = await self._tool_rollouts(tasks), 0, 0.0
             else:
                 sampled = await trio.to_thread.run_sync(sample_completions, self.backend, tasks, self.sampling)
                 async with self.pool.lease(limits=self.limits) as sb:
@@ -122,16 +123,18 @@ class _Evaluator:
                                                     timeout_s=self.cfg.sandbox.timeout_s)
                 rewards, errors, score_s = list(scores.rewards), scores.errors, scores.seconds
             t1 = time.monotonic() - score_s
-            rec = make_record(version=version, step=step, split=split, rewards=rewards, time=time.time())
+            rec = make_record(version=version, step=step, split=split, rewards=rewards, time=time.time(),
+                              tool_calls=calls)
             records.append(rec)
             with self.out.open("ab") as fh:
                 fh.write(msgspec.json.encode(rec) + b"\n")
             self.pass_gauge[split].set(rec.pass_at_1)
             self.pass_at_1[split] = rec.pass_at_1
+            tools = {"tool_use": round(tool_use(rec), 4)} if rec.tool_calls else {}
             self.ctx.log.info("evaluation", version=version, step=step, split=split, n=rec.n, passed=rec.passed,
                               pass_at_1=round(rec.pass_at_1, 4), ci=[round(rec.ci_low, 4), round(rec.ci_high, 4)],
                               mean_reward=round(rec.mean_reward, 4), checker_errors=errors,
-                              sample_s=round(t1 - t0, 1), score_s=round(score_s, 1))
+                              sample_s=round(t1 - t0, 1), score_s=round(score_s, 1), **tools)
             _say(self.cfg.progress, f"eval v{version} (step {step}) {split}: pass@1 {100 * rec.pass_at_1:.1f}% "
                                     f"[{100 * rec.ci_low:.1f}, {100 * rec.ci_high:.1f}] ({rec.passed}/{rec.n}), "
                                     f"mean reward {rec.mean_reward:.3f}")
@@ -140,7 +143,8 @@ class _Evaluator:
         self.ctx.report_version("evaluated", version)
         return records
 
-    async def _tool_rewards(self, tasks: list[Any]) -> list[float]:
+    async def _tool_rollouts(self, tasks: list[Any]) -> tuple[list[float], list[int]]:
+        """Each task's reward and number of tool calls."""
         from transformers import PreTrainedTokenizerFast
 
         from fleetrl.actors.recipe.tool_eval import sample_tool_rollouts
@@ -149,7 +153,7 @@ class _Evaluator:
             self.tokenizer = await trio.to_thread.run_sync(PreTrainedTokenizerFast.from_pretrained, self.cfg.model_dir)
         rollouts = await trio.to_thread.run_sync(
             lambda: sample_tool_rollouts(self.backend, tasks, self.tokenizer, self.sampling))
-        return [r.reward for r in rollouts]
+        return [r.reward for r in rollouts], [r.tool_calls for r in rollouts]
 
     async def report(self) -> None:
         if self.cfg.report_dir is None:

@@ -11,7 +11,7 @@ import msgspec
 
 from fleetrl.actors.recipe import pass_rate_with_ci
 
-__all__ = ["EvalRecord", "EvalState", "is_due", "make_record", "step_of"]
+__all__ = ["EvalRecord", "EvalState", "is_due", "make_record", "step_of", "tool_use"]
 
 
 class EvalRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,6 +34,11 @@ class EvalRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Each task's reward, in the evaluation set's order (the same tasks and sampling
     seed at every version, so two evaluations compare task by task: a paired test).
     Empty in lines written before it existed."""
+    tool_calls: tuple[int, ...] = ()
+    """Each task's number of tool calls (parsed and run), in the same order: an agent
+    evaluation's record of the habit its reward selects (tool-use rate: the share of
+    nonzero entries; paired across versions like ``rewards``). Empty for evaluations
+    without tools and in lines written before it existed."""
 
 
 class EvalState(msgspec.Struct, frozen=True):
@@ -42,16 +47,26 @@ class EvalState(msgspec.Struct, frozen=True):
     evaluated: tuple[int, ...] = ()
 
 
-def make_record(*, version: int, step: int, split: str, rewards: Sequence[float], time: float) -> EvalRecord:
-    """The record of one evaluation (a task passes when its reward is 1.0)."""
+def make_record(*, version: int, step: int, split: str, rewards: Sequence[float], time: float,
+                tool_calls: Sequence[int] = ()) -> EvalRecord:
+    """The record of one evaluation (a task passes when its reward is 1.0); ``tool_calls``
+    (optional) holds each task's tool calls."""
     n = len(rewards)
     if n < 1:
         raise ValueError("an evaluation needs at least one task")
+    if tool_calls and len(tool_calls) != n:
+        raise ValueError(f"tool_calls holds {len(tool_calls)} counts for {n} tasks")
     passed = sum(1 for r in rewards if r == 1.0)
     ci = pass_rate_with_ci(passed, n)
     return EvalRecord(version=version, step=step, split=split, n=n, passed=passed, pass_at_1=ci.rate,
                       ci_low=ci.low, ci_high=ci.high, mean_reward=float(sum(rewards)) / n, time=time,
-                      rewards=tuple(float(r) for r in rewards))
+                      rewards=tuple(float(r) for r in rewards), tool_calls=tuple(int(c) for c in tool_calls))
+
+
+def tool_use(record: EvalRecord) -> float:
+    """Share of the record's tasks with at least one tool call (0.0 without counts)."""
+    calls = record.tool_calls
+    return sum(1 for c in calls if c > 0) / len(calls) if calls else 0.0
 
 
 def is_due(version: int, evaluated: Iterable[int], every: int) -> bool:

@@ -55,12 +55,14 @@ TOOL_SAMPLING = EvalSampling(max_tokens=96)
 
 class ToolRollout(msgspec.Struct, frozen=True, kw_only=True):
     """One task's rollout: the final answer (None: no answer within the turn limit),
-    each call's generated text, how many tool calls did not parse, the reward."""
+    each call's generated text, how many tool calls did not parse, how many were made
+    (parsed and run), the reward."""
 
     answer: str | None
     texts: tuple[str, ...]
     parse_failures: int
     reward: float
+    tool_calls: int = 0
 
 
 def sample_tool_rollouts(backend: TorchBackend, tasks: Sequence[Task], tokenizer: PreTrainedTokenizerFast,
@@ -73,6 +75,7 @@ def sample_tool_rollouts(backend: TorchBackend, tasks: Sequence[Task], tokenizer
     texts: list[list[str]] = [[] for _ in tasks]
     answers: list[str | None] = [None] * len(tasks)
     failures = [0] * len(tasks)
+    calls = [0] * len(tasks)
     active = list(range(len(tasks)))
     for turn in range(max_turns):
         if not active:
@@ -100,13 +103,14 @@ def sample_tool_rollouts(backend: TorchBackend, tasks: Sequence[Task], tokenizer
             messages[i].append({"role": "assistant", "content": parsed.content, "tool_calls": [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in parsed.tool_calls]})
+            calls[i] += len(parsed.tool_calls)
             for c in parsed.tool_calls:
                 messages[i].append({"role": "tool", "tool_call_id": c.id,
                                     "content": run_tool(tasks[i], c.name, c.arguments)})
             still.append(i)
         active = still
     return [ToolRollout(answer=answers[i], texts=tuple(texts[i]), parse_failures=failures[i],
-                        reward=answer_reward(tasks[i], answers[i])) for i in range(len(tasks))]
+                        reward=answer_reward(tasks[i], answers[i]), tool_calls=calls[i]) for i in range(len(tasks))]
 
 
 def evaluate_tool_pass_at_1(model_dir: str | os.PathLike[str], *, split: ToolSplit = "fresh", n: int,

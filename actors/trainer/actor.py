@@ -8,7 +8,9 @@ metrics, writes one JSON line of `StepMetrics` per step into ``metrics.jsonl``, 
 checkpoints: the daemon's hook (periodic and final), plus its own file every
 ``checkpoint_every`` steps and when it ends; every ``daemon_checkpoint_every`` steps it
 also asks the daemon for a checkpoint (``ctx.request_checkpoint``), so the daemon's
-file, which holds every actor's state, is taken at step boundaries. Each published version is announced
+file, which holds every actor's state, is taken at step boundaries; at a step where both
+are due the daemon's (it holds the same snapshot) replaces the trainer's own file, which
+is written only if the daemon's fails. Each published version is announced
 (`WeightVersionAvailable`) to the ``announce_to`` actors. After every step that measured
 the samplers' tokens, the measured mismatch per sampler kind and per sampler
 (`SamplerMismatch`, `mismatch_report`) goes to the ``stale_reports_to`` actor, the
@@ -343,15 +345,19 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
                          usd_per_rollout=m.usd_per_rollout)
             if not m.skipped:
                 await announce_version()
-                every = cfg.daemon_checkpoint_every
-                if every is not None and trainer.step % every == 0 and not trainer.done:
-                    await checkpoint_daemon(f"step {trainer.step}")
+                if trainer.daemon_checkpoint_due:
+                    if not await checkpoint_daemon(f"step {trainer.step}") and \
+                            trainer.step % cfg.checkpoint_every == 0:
+                        async with lock:  # the trainer's own file, skipped for the daemon's
+                            await ctx.run_blocking(trainer.write_checkpoint)
 
-    async def checkpoint_daemon(reason: str) -> None:
+    async def checkpoint_daemon(reason: str) -> bool:
         try:
             await ctx.request_checkpoint(reason)
-        except OSError as exc:  # disk full: the trainer's own file was written; keep training
+        except OSError as exc:  # disk full: keep training (the trainer's own file is tried)
             ctx.log.error("daemon checkpoint failed", error=f"{type(exc).__name__}: {exc}")
+            return False
+        return True
 
     async def watch_ranks(engine: RankEngine, interval_s: float) -> None:
         while True:

@@ -84,6 +84,8 @@ class Trainer:
         self._applied = False
         self._elapsed_before = 0.0  # seconds run by earlier incarnations (from the checkpoint)
         self._received = [0, 0]  # groups and generated tokens received since the last metrics line
+        self.daemon_checkpoint_due = False
+        """Set by `train`: a daemon checkpoint is due after that step (``daemon_checkpoint_every``)."""
         self._started = self.clock()
 
     # -- start ------------------------------------------------------------------------
@@ -205,7 +207,12 @@ class Trainer:
             out.parent.mkdir(exist_ok=True)
             batch = build_batch(groups, self.cfg.advantage)
             out.write_bytes(msgspec.json.encode(batch_record(batch, self.step)))
-        if not m.skipped and self.step % self.cfg.checkpoint_every == 0:
+        every = self.cfg.daemon_checkpoint_every
+        # the actor asks the daemon for a checkpoint after this step (it holds this same
+        # snapshot): the trainer's own file is written only when that one fails
+        self.daemon_checkpoint_due = (not m.skipped and every is not None and self.step % every == 0
+                                      and not self.done)
+        if not m.skipped and self.step % self.cfg.checkpoint_every == 0 and not self.daemon_checkpoint_due:
             self.write_checkpoint()
         return m
 

@@ -10,11 +10,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleetrl.actors.evaluator import EvalRecord, ScoringError, is_due, make_record, rewards_from_report, step_of
+from fleetrl.actors.evaluator import (
+    EvalRecord,
+    ScoringError,
+    is_due,
+    make_record,
+    rewards_from_report,
+    step_of,
+    tool_use,
+)
 from fleetrl.actors.recipe import pass_rate_with_ci
 from fleetrl.harness.synthetic import generate_tasks
 
-FIELDS = ["version", "step", "split", "n", "passed", "pass_at_1", "ci_low", "ci_high", "mean_reward", "time", "rewards"]
+FIELDS = ["version", "step", "split", "n", "passed", "pass_at_1", "ci_low", "ci_high", "mean_reward", "time", "rewards",
+          "tool_calls"]
 
 
 def test_record_has_exactly_the_report_fields():
@@ -24,9 +33,18 @@ def test_record_has_exactly_the_report_fields():
     ci = pass_rate_with_ci(2, 4)
     assert obj == {"version": 3, "step": 2, "split": "fresh", "n": 4, "passed": 2, "pass_at_1": 0.5,
                    "ci_low": ci.low, "ci_high": ci.high, "mean_reward": 0.625, "time": 12.5,
-                   "rewards": [1.0, 0.5, 1.0, 0.0]}
+                   "rewards": [1.0, 0.5, 1.0, 0.0], "tool_calls": []}
     with pytest.raises(ValueError, match="at least one task"):
         make_record(version=0, step=0, split="fresh", rewards=[], time=0.0)
+
+
+def test_tool_calls_are_kept_per_task_and_give_the_tool_use_rate():
+    rec = make_record(version=1, step=1, split="fresh", rewards=[1.0, 0.0, 0.0, 1.0], time=0.0,
+                      tool_calls=[1, 0, 2, 0])
+    assert rec.tool_calls == (1, 0, 2, 0) and tool_use(rec) == 0.5
+    assert tool_use(make_record(version=1, step=1, split="fresh", rewards=[1.0], time=0.0)) == 0.0
+    with pytest.raises(ValueError, match="3 counts for 4 tasks"):
+        make_record(version=1, step=1, split="fresh", rewards=[1.0, 0.0, 0.0, 1.0], time=0.0, tool_calls=[1, 0, 2])
 
 
 @given(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=1, max_size=50))

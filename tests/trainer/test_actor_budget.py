@@ -141,3 +141,39 @@ config = {{model_dir = "{model_dir}", announce_to = ["nobody"]}}
         code = await sup.run(handle_signals=False)
     assert code == ExitCode.ESCALATED
     assert "TrainerConfig.announce_to = 'nobody' names no configured actor" in str(sup.escalation)
+
+
+async def test_a_failed_daemon_checkpoint_falls_back_to_the_trainers_own_file(model_dir, groups, feed, tmp_path,
+                                                                            monkeypatch):
+    """Both checkpoints due at step 1 (checkpoint_every = daemon_checkpoint_every = 1): the
+    trainer leaves it to the daemon's; when that write fails (disk full), the trainer's
+    own file is written instead, and training goes on."""
+    prompt = [BOS_ID, *b"def f(x):"]
+    feed.FEED.extend(groups.sampled(model_dir, f"g{i}", prompt, [1.0, 0.0], seed=80 + i) for i in range(4))
+    state = StateDir(tmp_path / "state").open()
+    write = CheckpointStore.write
+    own: list[int] = []
+    daemon: list[int] = []
+
+    def failing_daemon_write(self, run_id, actors):  # the daemon's first write fails
+        if self.dir != state.checkpoints:
+            own.append(ck.decode(actors["trainer"]).step)
+        elif not daemon:
+            daemon.append(-1)
+            raise OSError(28, "No space left on device")
+        else:
+            daemon.append(ck.decode(actors["trainer"]).step)
+        return write(self, run_id, actors)
+
+    monkeypatch.setattr(CheckpointStore, "write", failing_daemon_write)
+    text = _budget_run(model_dir, """max_steps = 2
+checkpoint_every = 1
+daemon_checkpoint_every = 1""")
+    sup = Supervisor(load_config_text(text, source="test.toml"), state, rng=random.Random(0))
+    with state, trio.fail_after(180):
+        code = await sup.run(handle_signals=False)
+    assert code == ExitCode.OK  # the failed daemon checkpoint did not stop the run
+    # step 1: the daemon's failed, so the trainer's own file; step 2 ends the budget (no
+    # daemon checkpoint is due at it: the own file in the step, again at the budget before
+    # the daemon's, and when the actor ends, before the daemon's final one)
+    assert own == [1, 2, 2, 2] and daemon == [-1, 2, 2]

@@ -102,3 +102,31 @@ def test_metrics_lines_count_every_group_received_once(model_dir, groups, tmp_pa
     assert (m2.groups, m2.groups_received, m2.tokens_received) == (1, 1, tokens["b"])
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["groups_received"] for x in lines] == [2, 1]
+
+
+def test_a_step_due_for_a_daemon_checkpoint_leaves_the_own_file_to_it(model_dir, groups, tmp_path):
+    """checkpoint_every and daemon_checkpoint_every due at one step: the trainer does not
+    serialise the same state twice (the actor asks the daemon for its checkpoint, and
+    writes the own file only if that one fails); other steps write the own file."""
+    from fleetrl.actors.trainer import checkpoint as ck
+    from fleetrl.actors.trainer.core import LOCAL_CKPT_KEY
+
+    cfg = TrainerConfig(model_dir=model_dir, groups_per_step=1, checkpoint_every=1, daemon_checkpoint_every=2,
+                        max_steps=3)
+    t = Trainer(cfg, tmp_path, "run-1")
+    t.start(None)
+
+    def own_step() -> int | None:
+        local, _ = t.local.load_latest()
+        return None if local is None else ck.decode(local.actors[LOCAL_CKPT_KEY]).step
+
+    due, written = [], []
+    for i in range(3):
+        t.buffer.offer(groups.sampled(model_dir, f"g{i}", [BOS_ID, *b"hi"], [1.0, 0.0], seed=i), t.version)
+        m, _ = t.take_and_train()
+        assert m.step == i + 1
+        due.append(t.daemon_checkpoint_due)
+        written.append(own_step())
+    # step 2: the daemon's is due (the own file stays at step 1); step 3 ends the budget: no
+    # daemon checkpoint is requested at a step that ends the run, so the own file is written
+    assert due == [False, True, False] and written == [1, 1, 3]
