@@ -34,7 +34,10 @@ in /status and exported as ``fleetrl_actor_statistic`` in /metrics
   its result into every periodic and the final checkpoint
 - ``restored`` / ``restored_as(T)``: this actor's state from the newest checkpoint
   (at a restart after a crash: the state most recently checkpointed)
-- ``mount(prefix, app, auth=True)``: serve an ASGI app on the control plane
+- ``mount(prefix, app, auth=True, roles=())``: serve an ASGI app on the control plane,
+  open to the admin token and issued tokens of `roles` (daemon/credentials.py)
+- ``credentials``: the daemon's token store, for an app mounted with ``auth=False`` that
+  authenticates by itself (the fleet join: ``credentials.identify(token)``)
 - ``report_version(key, value)``: shown under the actor in /status
 - ``request_shutdown(reason)``: begin the daemon's graceful shutdown, as SIGTERM does
   (an actor that has finished the run's work, e.g. a trainer at its step budget)
@@ -189,8 +192,13 @@ class ActorContext:
         return msgspec.convert(self.restored, typ)
 
     # -- control plane ------------------------------------------------------------
-    def mount(self, prefix: str, app: Any, *, auth: bool = True) -> None:
-        self._kernel.mounts.add(prefix, app, auth=auth, owner=self.name)
+    def mount(self, prefix: str, app: Any, *, auth: bool = True, roles: tuple[str, ...] = ()) -> None:
+        self._kernel.mounts.add(prefix, app, auth=auth, owner=self.name, roles=roles)
+
+    @property
+    def credentials(self) -> Any:
+        """The daemon's `CredentialStore` (None in a kernel without one)."""
+        return getattr(self._kernel, "credentials", None)
 
     def report_version(self, key: str, value: Any) -> None:
         self._kernel.report_version(self.name, key, value)

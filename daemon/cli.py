@@ -49,6 +49,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return ExitCode.CONFIG
     if args.state_dir:
         cfg = cfg.with_state_dir(args.state_dir)
+    problem = cfg.http.tls_problem() if cfg.http.enabled else None
+    if problem is not None:
+        _err(problem)
+        return ExitCode.CONFIG
     state = StateDir(cfg.daemon.state_dir)
     try:
         state.open()
@@ -74,26 +78,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # -- status / stop -------------------------------------------------------------------
 def _control(state_dir: str) -> tuple[str, str] | int:
     """(base url, token) of the live daemon, or an exit code after saying why not."""
-    from .state import daemon_alive, read_control, read_token
+    from .state import client_host, control_cert, daemon_alive, read_control, read_token
 
     if not daemon_alive(state_dir):
         _err(f"no fleetrl daemon is running on state directory {Path(state_dir).absolute()}")
         return ExitCode.UNREACHABLE
     try:
         host, port = read_control(state_dir)
+        scheme = "https" if control_cert(state_dir) else "http"
         token = read_token(state_dir)
     except (OSError, ValueError, KeyError) as exc:
         _err(f"the daemon on {state_dir} has no control plane address yet "
              f"(control.json: {exc}); is [http] enabled?")
         return ExitCode.UNREACHABLE
-    return f"http://{host}:{port}", token
+    return f"{scheme}://{client_host(host)}:{port}", token
 
 
 def _request(method: str, url: str, token: str, timeout: float) -> Any:
     import httpx
 
+    # a local client of a TLS control plane: the certificate may name another host, or be
+    # self-signed; the state directory's token already proves who is asking
     resp = httpx.request(method, url, headers={"Authorization": f"Bearer {token}"},
-                         timeout=timeout)
+                         timeout=timeout, verify=not url.startswith("https://"))
     resp.raise_for_status()
     return resp.json()
 
@@ -153,8 +160,42 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+# -- token -------------------------------------------------------------------------
+def cmd_token(args: argparse.Namespace) -> int:
+    """Issue, revoke or list scoped tokens in the state directory (daemon/credentials.py);
+    a running daemon sees the change at its next check."""
+    from .credentials import CredentialError, CredentialStore
+
+    store = CredentialStore(args.state_dir)
+    try:
+        if args.token_command == "create":
+            cred, token = store.create(args.role, args.name)
+            if args.json:
+                print(json.dumps({**cred.public(), "token": token}))
+            else:
+                print(token)
+                _err(f"issued token {cred.id} (role {cred.role}); it is shown only now")
+        elif args.token_command == "revoke":
+            for cred in store.revoke(args.key):
+                print(f"revoked {cred.id} (role {cred.role}{', ' + cred.name if cred.name else ''})")
+        else:
+            rows = [c.public() for c in store.list()]
+            if args.json:
+                print(json.dumps(rows))
+            for c in rows if not args.json else []:
+                state = "revoked" if c["revoked"] else "active"
+                print(f"{c['id']}  {c['role']:<12}  {state:<7}  {c['name']}")
+    except CredentialError as exc:
+        _err(str(exc))
+        return ExitCode.CONFIG
+    except OSError as exc:
+        _err(f"cannot use the token store in {Path(args.state_dir).absolute()}: {exc}")
+        return ExitCode.CONFIG
+    return ExitCode.OK
+
+
 # -- parser --------------------------------------------------------------------------
-BUILTIN_COMMANDS = frozenset({"serve", "status", "stop", "config"})
+BUILTIN_COMMANDS = frozenset({"serve", "status", "stop", "config", "token"})
 
 
 def groups_needed(argv: Sequence[str], eps: Sequence[EntryPoint]) -> list[EntryPoint]:
@@ -211,6 +252,19 @@ def build_parser(*, load_groups: bool = True, groups: Iterable[EntryPoint] | Non
     c = csub.add_parser("check", help="validate a config file (exit 2 if invalid)")
     c.add_argument("file", metavar="FILE")
     c.set_defaults(func=cmd_config_check)
+
+    p = sub.add_parser("token", help="issue, revoke and list scoped tokens (sampler, worker, weights-read)")
+    tsub = p.add_subparsers(dest="token_command", metavar="SUBCOMMAND", required=True)
+    t = tsub.add_parser("create", help="issue a token for one role and print it (shown only once)")
+    t.add_argument("--role", required=True, choices=("sampler", "worker", "weights-read"))
+    t.add_argument("--name", default="", help="a label (a host, a cloud); revoke accepts it too")
+    t = tsub.add_parser("revoke", help="revoke a token by id, or every active token with a name")
+    t.add_argument("key", metavar="ID_OR_NAME")
+    tsub.add_parser("list", help="list issued tokens (never the tokens themselves)")
+    for t in tsub.choices.values():
+        t.add_argument("--state-dir", metavar="DIR", default=DEFAULT_STATE_DIR)
+        t.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_token)
 
     if load_groups:
         _load_groups(sub, groups)

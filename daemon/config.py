@@ -64,6 +64,27 @@ class HttpSection(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True)
     host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"
     #: 0 picks a free port; the bound port is written to ``<state>/control.json``
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    #: PEM certificate (chain) and private key: with both, the control plane (and
+    #: everything mounted on it: the fleet join, weights, the endpoint) speaks only TLS
+    tls_cert: Annotated[str, Meta(min_length=1)] | None = None
+    tls_key: Annotated[str, Meta(min_length=1)] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+
+    def tls_problem(self) -> str | None:
+        """Why the certificate and key cannot serve TLS (None: they can, or TLS is off)."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            return f"[http] tls_cert = {self.tls_cert!r}, tls_key = {self.tls_key!r}: {exc}"
+        return None
 
 
 class RestartPolicy(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -1,7 +1,9 @@
 """HTTP control plane: a Starlette app served by hypercorn's Trio worker.
 
-Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``, the token in
-``<state>/token``; otherwise 401 with a JSON error body):
+Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``: the daemon's
+token in ``<state>/token`` (role ``admin``) or an issued token of a role the route is
+open to (`credentials`); an unknown or revoked token gets 401, a known one whose role
+the route is not open to 403, each with a JSON error body):
 
 - ``GET /healthz``   liveness, ``{"ok": true}``
 - ``GET /status``    run id, instance id, uptime, paused, draining, actors (state,
@@ -9,11 +11,17 @@ Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``, the toke
 - ``GET /metrics``   Prometheus text format
 - ``POST /pause``, ``POST /resume``   pause/resume admission of new work
 - ``POST /shutdown`` the same graceful path as SIGTERM
+- ``GET /tokens``, ``POST /tokens`` (``{"role": R, "name": N}``: the new token, shown
+  once), ``DELETE /tokens/ID`` (revoke): the issued tokens
 
-Actors add routes with ``ctx.mount(prefix, asgi_app, auth=True)``: the request goes
-to the mounted app with ``root_path`` extended by the prefix (``path`` stays whole,
-as Starlette's own ``Mount`` does), behind the same bearer check unless
-``auth=False``.
+Every core endpoint is for ``admin`` only. Actors add routes with
+``ctx.mount(prefix, asgi_app, auth=True, roles=(...))``: the request goes to the
+mounted app with ``root_path`` extended by the prefix (``path`` stays whole, as
+Starlette's own ``Mount`` does), behind the same bearer check, open to ``admin`` and
+the `roles` named, unless ``auth=False`` (the app authenticates by itself).
+
+`serve_control` serves TLS when given a certificate and key: the listener then speaks
+only TLS (a plain connection fails its handshake and is closed).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
@@ -33,6 +42,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from .credentials import ROLES, Credential, CredentialError, CredentialStore, UnknownCredential, permits
 
 __all__ = ["BACKLOG", "KEEP_ALIVE_S", "ControlPlane", "MountTable", "build_app", "serve_control"]
 
@@ -44,7 +55,7 @@ BACKLOG = 2048
 ASGIApp = Callable[[dict[str, Any], Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]],
                    Awaitable[None]]
 _PREFIX = re.compile(r"^(/[A-Za-z0-9._~-]+)+$")
-_RESERVED = ("/healthz", "/status", "/metrics", "/pause", "/resume", "/shutdown")
+_RESERVED = ("/healthz", "/status", "/metrics", "/pause", "/resume", "/shutdown", "/tokens")
 
 
 class ControlPlane(Protocol):
@@ -58,10 +69,10 @@ class ControlPlane(Protocol):
 
 
 class _Mount:
-    __slots__ = ("app", "auth", "owner", "prefix")
+    __slots__ = ("app", "auth", "owner", "prefix", "roles")
 
-    def __init__(self, prefix: str, app: ASGIApp, auth: bool, owner: str) -> None:
-        self.prefix, self.app, self.auth, self.owner = prefix, app, auth, owner
+    def __init__(self, prefix: str, app: ASGIApp, auth: bool, owner: str, roles: frozenset[str]) -> None:
+        self.prefix, self.app, self.auth, self.owner, self.roles = prefix, app, auth, owner, roles
 
 
 class MountTable:
@@ -70,8 +81,12 @@ class MountTable:
     def __init__(self) -> None:
         self._mounts: dict[str, _Mount] = {}
 
-    def add(self, prefix: str, app: ASGIApp, *, auth: bool, owner: str) -> None:
-        """Mount `app` at `prefix`; the same owner may replace its own mount (restart)."""
+    def add(self, prefix: str, app: ASGIApp, *, auth: bool, owner: str, roles: tuple[str, ...] = ()) -> None:
+        """Mount `app` at `prefix`, open to ``admin`` and `roles` (with `auth`); the same
+        owner may replace its own mount (restart)."""
+        unknown = [r for r in roles if r not in ROLES]
+        if unknown:
+            raise ValueError(f"mount {prefix!r}: unknown roles {unknown} (roles: {', '.join(ROLES)})")
         if not _PREFIX.match(prefix):
             raise ValueError(f"mount prefix {prefix!r} must look like '/name' or '/a/b' "
                              "(no trailing slash)")
@@ -80,7 +95,7 @@ class MountTable:
         held = self._mounts.get(prefix)
         if held is not None and held.owner != owner:
             raise ValueError(f"mount prefix {prefix!r} is already used by actor {held.owner!r}")
-        self._mounts[prefix] = _Mount(prefix, app, auth, owner)
+        self._mounts[prefix] = _Mount(prefix, app, auth, owner, frozenset(roles))
 
     def remove_owner(self, owner: str) -> None:
         for prefix in [p for p, m in self._mounts.items() if m.owner == owner]:
@@ -103,21 +118,71 @@ def _unauthorized(detail: str) -> JSONResponse:
                         headers={"WWW-Authenticate": 'Bearer realm="fleetrl"'})
 
 
-def check_bearer(headers: list[tuple[bytes, bytes]], token: str) -> str | None:
-    """None when the Authorization header carries `token`; otherwise why not."""
+def _forbidden(role: str, path: str) -> JSONResponse:
+    return JSONResponse({"error": "forbidden", "detail": f"a {role!r} token may not use {path}"}, status_code=403)
+
+
+def bearer_of(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str | None]:
+    """(the bearer token, None), or (None, why there is none)."""
     values = [v for k, v in headers if k.lower() == b"authorization"]
     if not values:
-        return "missing Authorization: Bearer header"
+        return None, "missing Authorization: Bearer header"
     scheme, _, given = values[0].decode("latin-1").partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        return "Authorization header must be 'Bearer <token>'"
-    if not hmac.compare_digest(given.strip().encode(), token.encode()):
-        return "wrong bearer token"
-    return None
+    if scheme.lower() != "bearer" or not given.strip():
+        return None, "Authorization header must be 'Bearer <token>'"
+    return given.strip(), None
 
 
-def build_app(plane: ControlPlane, token: str, mounts: MountTable) -> ASGIApp:
-    """The whole control ASGI app: auth gate, mounted apps, core endpoints."""
+class _NewToken(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str
+    name: str = ""
+
+
+def build_app(plane: ControlPlane, token: str, mounts: MountTable,
+              credentials: CredentialStore | None = None) -> ASGIApp:
+    """The whole control ASGI app: auth gate, mounted apps, core endpoints.
+    `credentials`: the issued tokens (None: only `token`, the admin's, and no token
+    management)."""
+
+    def identify(given: str) -> Credential | None:
+        if credentials is not None:
+            return credentials.identify(given)
+        if hmac.compare_digest(given.encode(), token.encode()):
+            return Credential(id="admin", role="admin", sha256="", created=0.0)
+        return None
+
+    def no_store() -> JSONResponse:
+        return JSONResponse({"error": "not found", "detail": "this control plane has no token store"},
+                            status_code=404)
+
+    async def list_tokens(_: Request) -> Response:
+        if credentials is None:
+            return no_store()
+        try:
+            return JSONResponse({"tokens": [c.public() for c in credentials.list()]})
+        except CredentialError as exc:
+            return JSONResponse({"error": "token file unreadable", "detail": str(exc)}, status_code=500)
+
+    async def create_token(request: Request) -> Response:
+        if credentials is None:
+            return no_store()
+        try:
+            req = msgspec.json.decode(await request.body(), type=_NewToken)
+            cred, secret = credentials.create(req.role, req.name)
+        except (msgspec.DecodeError, msgspec.ValidationError, CredentialError) as exc:
+            return JSONResponse({"error": "bad request", "detail": f"POST /tokens: {exc}"}, status_code=400)
+        return JSONResponse({**cred.public(), "token": secret}, status_code=201)
+
+    async def revoke_token(request: Request) -> Response:
+        if credentials is None:
+            return no_store()
+        try:
+            done = credentials.revoke(request.path_params["key"])
+        except UnknownCredential as exc:
+            return JSONResponse({"error": "not found", "detail": str(exc)}, status_code=404)
+        except CredentialError as exc:
+            return JSONResponse({"error": "token file unreadable", "detail": str(exc)}, status_code=500)
+        return JSONResponse({"revoked": [c.public() for c in done]})
 
     async def healthz(_: Request) -> Response:
         return JSONResponse({"ok": True})
@@ -155,6 +220,9 @@ def build_app(plane: ControlPlane, token: str, mounts: MountTable) -> ASGIApp:
         Route("/pause", pause, methods=["POST"]),
         Route("/resume", resume, methods=["POST"]),
         Route("/shutdown", shutdown, methods=["POST"]),
+        Route("/tokens", list_tokens, methods=["GET"]),
+        Route("/tokens", create_token, methods=["POST"]),
+        Route("/tokens/{key}", revoke_token, methods=["DELETE"]),
     ], exception_handlers={404: not_found, 405: bad_method})
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -170,10 +238,18 @@ def build_app(plane: ControlPlane, token: str, mounts: MountTable) -> ASGIApp:
         mount = mounts.match(path)
         needs_auth = mount.auth if mount is not None else path != "/healthz"
         if needs_auth:
-            problem = check_bearer(scope.get("headers", []), token)
-            if problem is not None:
+            given, problem = bearer_of(scope.get("headers", []))
+            cred = identify(given) if given is not None else None
+            if given is not None and cred is None:
+                problem = "unknown or revoked bearer token"
+            refusal: Response | None = None
+            if cred is None:
+                refusal = _unauthorized(problem or "unauthorized")
+            elif not permits(cred.role, mount.roles if mount is not None else ()):
+                refusal = _forbidden(cred.role, path)
+            if refusal is not None:
                 if scope["type"] == "http":
-                    await _unauthorized(problem)(scope, receive, send)
+                    await refusal(scope, receive, send)
                 else:  # websocket: refuse the handshake
                     await send({"type": "websocket.close", "code": 1008})
                 return
@@ -192,9 +268,11 @@ async def serve_control(app: ASGIApp, host: str, port: int, *,
                         task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
                         max_restarts: int = 10, restart_window_s: float = 60.0,
                         serve_fn: Callable[..., Awaitable[Any]] = serve,
+                        certfile: str | None = None, keyfile: str | None = None,
                         ) -> None:
     """Serve `app` on host:port (0 = any free port) until `shutdown_trigger` returns;
-    ``task_status.started((host, bound_port))`` once listening.
+    ``task_status.started((host, bound_port))`` once listening. With `certfile` and
+    `keyfile` (PEM) it serves only TLS (1.2 or newer).
 
     The listening socket is ours and outlives hypercorn: a crash inside hypercorn's
     connection handling (hypercorn 0.18 can raise ``trio.BusyResourceError`` from one
@@ -218,6 +296,12 @@ async def serve_control(app: ASGIApp, host: str, port: int, *,
     # open this long too, which costs a socket each.
     cfg.keep_alive_timeout = KEEP_ALIVE_S
     cfg.backlog = BACKLOG
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("serve_control: TLS needs both a certificate and a key file")
+    if certfile is not None:
+        cfg.certfile, cfg.keyfile = certfile, keyfile
+        cfg.alpn_protocols = ["http/1.1"]
+        cfg.create_ssl_context()  # a bad file fails here, before anything listens
     log = logging.getLogger("fleetrl.control")
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -28,7 +28,7 @@ from typing import Any
 from .faults import StateDirLocked
 from .files import write_atomic
 
-__all__ = ["StateDir", "client_host", "daemon_alive", "read_control", "read_token"]
+__all__ = ["StateDir", "client_host", "control_cert", "daemon_alive", "read_control", "read_token"]
 
 
 def _atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
@@ -106,8 +106,10 @@ class StateDir:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def write_control(self, host: str, port: int) -> None:
-        _atomic_write_text(self.path / "control.json", json.dumps({"host": host, "port": port}))
+    def write_control(self, host: str, port: int, *, tls_cert: str | None = None) -> None:
+        """Record where the control plane listens (and, when it serves TLS, its certificate)."""
+        cert = str(Path(tls_cert).absolute()) if tls_cert is not None else None
+        _atomic_write_text(self.path / "control.json", json.dumps({"host": host, "port": port, "tls_cert": cert}))
 
     # -- helpers --------------------------------------------------------------
     def _load_or_create(self, name: str, make: Any, mode: int) -> str:
@@ -151,6 +153,13 @@ def read_control(path: str | Path) -> tuple[str, int]:
     """(host, port) of the live daemon's control plane; raises FileNotFoundError."""
     data = json.loads((Path(path) / "control.json").read_text())
     return str(data["host"]), int(data["port"])
+
+
+def control_cert(path: str | Path) -> str | None:
+    """The certificate file of the live daemon's control plane when it serves TLS, else None."""
+    data = json.loads((Path(path) / "control.json").read_text())
+    cert = data.get("tls_cert")
+    return str(cert) if cert else None
 
 
 def client_host(host: str) -> str:

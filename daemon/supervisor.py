@@ -54,6 +54,7 @@ from .checkpoint import CheckpointStore
 from .checkpointing import Checkpointer
 from .config import ActorSpec, Config
 from .control import MountTable, build_app, serve_control
+from .credentials import CredentialStore
 from .faults import ActorEscalated, ExitCode
 from .handles import HandleTable
 from .metrics import ActorMetrics, KernelMetrics, MetricsRegistry
@@ -127,6 +128,7 @@ class Supervisor:
         self.gate = Gate()
         self.draining_event = trio.Event()
         self.mounts = MountTable()
+        self.credentials = CredentialStore(state.path, state.token)
         self.metrics = MetricsRegistry()
         self._kmetrics = KernelMetrics(self.metrics, uptime=self.uptime,
                                        inbox_stats=self.inbox_stats,
@@ -257,13 +259,16 @@ class Supervisor:
             if handle_signals:
                 await root.start(self._signals)
             if self.config.http.enabled:
-                app = build_app(self, self.state.token, self.mounts)
+                http = self.config.http
+                self.credentials.admin_token = self.state.token  # read when the state was opened
+                app = build_app(self, self.state.token, self.mounts, self.credentials)
                 self.control_address = await root.start(partial(
-                    serve_control, app, self.config.http.host, self.config.http.port,
-                    shutdown_trigger=stop_http.wait))
+                    serve_control, app, http.host, http.port, shutdown_trigger=stop_http.wait,
+                    certfile=http.tls_cert, keyfile=http.tls_key))
                 host, port = self.control_address
-                self.state.write_control(host, port)
-                self.log.info("control plane listening", url=f"http://{host}:{port}")
+                self.state.write_control(host, port, tls_cert=http.tls_cert)
+                scheme = "https" if http.tls_cert is not None else "http"
+                self.log.info("control plane listening", url=f"{scheme}://{host}:{port}")
             root.start_soon(self._periodic_checkpoints)
             await self._run_actors(task_status)
             self.draining_event.set()  # already set unless escalating

@@ -39,7 +39,7 @@ from fleetrl.actors.weights.follower import StoreSource
 from fleetrl.actors.weights.store import LocalDirStore
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.actor import ActorContext
-from fleetrl.daemon.state import client_host, read_control, read_token
+from fleetrl.daemon.state import client_host, control_cert, read_control, read_token
 
 from .auth import read_fleet_token
 from .children import Launch, ProcessSampler
@@ -65,6 +65,19 @@ def _backend_factory(sc: LocalSamplerConfig) -> Callable[[], Any]:
         from fleetrl.actors.samplers import vllm_backend
         return vllm_backend.VllmBackend(vllm_backend.VllmBackendConfig(model_dir=sc.model_dir, dtype=sc.dtype))
     return build
+
+
+def _may_join(ctx: ActorContext) -> Callable[[str], bool] | None:
+    """Whether a token is an issued credential that may join the fleet (role sampler or
+    admin; daemon/credentials.py); None in a kernel without a token store."""
+    store = ctx.credentials
+    if store is None:
+        return None
+
+    def may_join(token: str) -> bool:
+        cred = store.identify(token)
+        return cred is not None and cred.role in ("sampler", "admin")
+    return may_join
 
 
 async def run(cfg: PoolConfig, ctx: ActorContext, *,
@@ -94,7 +107,8 @@ async def run(cfg: PoolConfig, ctx: ActorContext, *,
                 ctx.mount(cfg.join_prefix, fleet_app(pool, token=token, run_id=ctx.run_id,
                                                      heartbeat_s=cfg.heartbeat_s,
                                                      heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                                                     reservations=reservations),
+                                                     reservations=reservations,
+                                                     credentials=_may_join(ctx) if cfg.join else None),
                           auth=False)
             processes: list[ProcessSampler] = []
             for sc in cfg.samplers:
@@ -174,9 +188,11 @@ def _launch(cfg: PoolConfig, ctx: ActorContext) -> Launch:
         raise ValueError(f"samplers {names} have process = true: they join through the control plane, so "
                          f"set [http] enabled = true (no control.json in {ctx.daemon_dir})") from None
     base = f"{client_host(host)}:{port}"
-    weights_url = f"http://{base}{cfg.weights_prefix}" if cfg.weights_dir is not None else None
-    return Launch(join_url=f"ws://{base}{cfg.join_prefix}/join", weights_url=weights_url,
-                  control_token=read_token(ctx.daemon_dir) if weights_url is not None else None)
+    cert = control_cert(ctx.daemon_dir)  # TLS: the children verify the daemon's own certificate
+    web, ws = ("https", "wss") if cert else ("http", "ws")
+    weights_url = f"{web}://{base}{cfg.weights_prefix}" if cfg.weights_dir is not None else None
+    return Launch(join_url=f"{ws}://{base}{cfg.join_prefix}/join", weights_url=weights_url,
+                  control_token=read_token(ctx.daemon_dir) if weights_url is not None else None, ca_file=cert)
 
 
 def _process_metrics(ctx: ActorContext) -> Callable[[ProcessSampler], None]:

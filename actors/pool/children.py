@@ -69,6 +69,8 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     """The delta store over HTTP (the trainer's ``/weights`` mount); None: no following."""
     control_token: str | None = None
     """Bearer token of the delta store (the control plane's token)."""
+    ca_file: str | None = None
+    """The daemon's TLS certificate, which the child verifies it by (None: plain ws://)."""
 
     def __repr__(self) -> str:  # never print the credential
         return f"Launch(join_url={self.join_url!r}, weights_url={self.weights_url!r}, control_token='***')"
@@ -98,6 +100,8 @@ def child_argv(sc: LocalSamplerConfig, launch: Launch, *, parent_pid: int) -> li
         argv += ["--fp8-scheme", sc.fp8_scheme, "--matmul", sc.matmul]
     if launch.weights_url is not None:
         argv += ["--weights", launch.weights_url]
+    if launch.ca_file is not None:
+        argv += ["--ca-file", launch.ca_file]
     return argv
 
 

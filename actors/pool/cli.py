@@ -25,8 +25,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join", required=True, metavar="URL",
                    help="join endpoint of the daemon, e.g. ws://HOST:PORT/fleet/join")
     p.add_argument("--token", default=os.environ.get("FLEETRL_FLEET_TOKEN"),
-                   help="fleet token (default: $FLEETRL_FLEET_TOKEN; the daemon keeps it in "
-                        "<state>/actors/<pool>/fleet_token)")
+                   help="a sampler token (`fleetrl token create --role sampler`) or the pool's fleet token "
+                        "(default: $FLEETRL_FLEET_TOKEN; the daemon keeps it in <state>/actors/<pool>/fleet_token)")
     p.add_argument("--backend", choices=("torch", "vllm"), default="torch")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "fp8"), default="bf16")
     p.add_argument("--model", required=True, metavar="DIR", help="model directory (config.json + safetensors)")
@@ -43,7 +43,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, metavar="URL",
                    help="base URL of the daemon's delta store to follow weight versions from")
     p.add_argument("--weights-token", default=os.environ.get("FLEETRL_TOKEN"),
-                   help="bearer token for the delta store (default: $FLEETRL_TOKEN)")
+                   help="bearer token for the delta store (default: $FLEETRL_TOKEN, else --token when it is "
+                        "an issued sampler token: `fleetrl token create --role sampler`)")
+    p.add_argument("--ca-file", default=os.environ.get("FLEETRL_CA_FILE"), metavar="PEM",
+                   help="CAs that sign the daemon's TLS certificate for wss:// and https:// "
+                        "(default: $FLEETRL_CA_FILE, else the system's)")
     p.add_argument("--name", default="", help="name shown in the daemon's logs")
     p.add_argument("--parent-pid", type=int, default=None, metavar="PID",
                    help="end (with this process's group, when it leads one) once the parent process is not PID "
@@ -80,7 +84,7 @@ def run_command(args: argparse.Namespace) -> int:
                                  model_dir=args.model, device=args.device, fp8_scheme=args.fp8_scheme,
                                  matmul=args.matmul, price_per_hour=args.price_per_hour,
                                  capacity=args.capacity, max_batch=args.max_batch, weights_url=args.weights,
-                                 weights_token=args.weights_token, name=args.name)
+                                 weights_token=args.weights_token, name=args.name, ca_file=args.ca_file)
         backend = build_backend(cfg)
     except (ValueError, OSError) as exc:
         print(f"fleetrl sampler: {exc}", file=sys.stderr)

@@ -13,7 +13,8 @@ as lost.
 
 A lost connection is retried with exponential backoff (``backoff_base_s`` doubling up to
 ``backoff_max_s``, reset after a connection that served); a `Refused` join (for example
-a wrong token) is not retried: `run_remote` raises `JoinRefused`.
+a wrong token) is not retried: `run_remote` raises `JoinRefused`; so is a `Refused` in
+the middle of a session (the token revoked).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -38,12 +40,16 @@ from .batcher import Batcher
 from .local import WeightSync
 from .errors import JoinRefused, PoolError, SamplerLost
 
-__all__ = ["JoinRefused", "RemoteClientConfig", "build_backend", "connect", "run_remote", "serve_once"]
+__all__ = ["JoinRefused", "RemoteClientConfig", "build_backend", "connect", "run_remote", "serve_once",
+           "ssl_context_of", "weights_bearer"]
 
 
 @asynccontextmanager
-async def connect(url: str, *, connect_timeout_s: float = 30.0) -> AsyncIterator[WebSocketConnection]:
+async def connect(url: str, *, connect_timeout_s: float = 30.0,
+                  ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[WebSocketConnection]:
     """A client WebSocket to `url` (ws:// or wss://) whose TCP stream is always closed on exit.
+    A wss:// server's certificate is verified (`ssl_context`; default: the system's CAs);
+    one that does not verify raises `JoinRefused` (a setting to fix, not retried).
 
     trio-websocket's `open_websocket_url` leaves the socket open when the *server* closes
     the connection (its client waits for a TCP close it then never performs), which would
@@ -55,8 +61,17 @@ async def connect(url: str, *, connect_timeout_s: float = 30.0) -> AsyncIterator
     resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     with trio.fail_after(connect_timeout_s):
         if secure:
-            stream: trio.abc.Stream = await trio.open_ssl_over_tcp_stream(
-                parts.hostname, port, ssl_context=ssl.create_default_context())
+            tls = await trio.open_ssl_over_tcp_stream(parts.hostname, port,
+                                                      ssl_context=ssl_context or ssl.create_default_context())
+            try:  # here, not lazily inside the WebSocket handshake, which would wait out the timeout
+                await tls.do_handshake()  # on a certificate it cannot verify: raises at once
+            except BaseException as exc:
+                await tls.transport_stream.aclose()
+                if isinstance(exc.__cause__, ssl.SSLCertVerificationError):  # not retried: a setting is wrong
+                    raise JoinRefused(f"cannot verify the TLS certificate of {parts.hostname}:{port}: "
+                                      f"{exc.__cause__.verify_message} (give the CA that signs it: --ca-file)") from exc
+                raise
+            stream: trio.abc.Stream = tls
         else:
             stream = await trio.open_tcp_stream(parts.hostname, port)
     body_error: BaseException | None = None
@@ -103,7 +118,12 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     weights_url: str | None = None
     """Base URL of the daemon's delta store (actors/weights' blob app); None: no following."""
     weights_token: str | None = None
-    """Bearer token for the delta store when it is behind the control plane's auth."""
+    """Bearer token for the delta store when it is behind the control plane's auth
+    (None: the join token when it is an issued one, `daemon.credentials`, which a
+    ``sampler`` token is: it joins and reads weights)."""
+    ca_file: str | None = None
+    """PEM file of the CAs that sign the daemon's certificate (wss:// and https://);
+    None: the system's CAs. Verification is never off."""
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
 
@@ -113,6 +133,8 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             raise ValueError(f"join URL {self.join_url!r} must look like ws://HOST:PORT/fleet/join")
         if not self.token:
             raise ValueError("the fleet token must not be empty")
+        if self.ca_file is not None and not Path(self.ca_file).is_file():
+            raise ValueError(f"ca_file {self.ca_file!r} is not a file")
         if not (self.price_per_hour >= 0 and self.price_per_hour != float("inf")):
             raise ValueError(f"price_per_hour must be a finite number >= 0, got {self.price_per_hour}")
         if self.capacity < 1:
@@ -175,6 +197,25 @@ class _Lost(PoolError):
     """The daemon went silent."""
 
 
+def ssl_context_of(cfg: RemoteClientConfig) -> ssl.SSLContext:
+    """The context that verifies the daemon's certificate: `cfg.ca_file`'s CAs, or the
+    system's. A certificate in `ca_file` is trusted by itself (a pinned self-signed or
+    leaf certificate: ``VERIFY_X509_PARTIAL_CHAIN``); the host name is always checked."""
+    ctx = ssl.create_default_context(cafile=cfg.ca_file)
+    if cfg.ca_file is not None:
+        ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return ctx
+
+
+def weights_bearer(cfg: RemoteClientConfig) -> str | None:
+    """The bearer token for the delta store: the configured one, else an issued join token."""
+    from fleetrl.daemon.credentials import parse_token
+
+    if cfg.weights_token:
+        return cfg.weights_token
+    return cfg.token if parse_token(cfg.token) is not None else None
+
+
 def _weight_sync(cfg: RemoteClientConfig, backend: Any) -> tuple[WeightSync | None, Any]:
     if cfg.weights_url is None:
         return None, None
@@ -182,8 +223,9 @@ def _weight_sync(cfg: RemoteClientConfig, backend: Any) -> tuple[WeightSync | No
 
     from fleetrl.actors.weights.http import HttpBlobSource
 
-    headers = {"Authorization": f"Bearer {cfg.weights_token}"} if cfg.weights_token else {}
-    client = httpx.AsyncClient(headers=headers, timeout=60.0)
+    bearer = weights_bearer(cfg)
+    headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+    client = httpx.AsyncClient(headers=headers, timeout=60.0, verify=ssl_context_of(cfg))
     return WeightSync(backend, HttpBlobSource(client, cfg.weights_url)), client
 
 
@@ -191,7 +233,7 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
                      log: Any = None) -> bool:
     """One connection: join, serve until it ends. Returns whether it was welcomed."""
     codec = m.FLEET
-    async with connect(cfg.join_url) as ws:
+    async with connect(cfg.join_url, ssl_context=ssl_context_of(cfg)) as ws:
         name = cfg.name or socket.gethostname()
         me = served_identity(backend, name)
         await ws.send_message(codec.encode(m.Join(token=cfg.token, identity=me, capacity=cfg.capacity,
@@ -257,6 +299,12 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
             if log is not None:
                 log.warning("connection ended", why=f"{type(exc).__name__}: {exc}")
         except BaseExceptionGroup as group:
+            refused, _ = group.split(JoinRefused)
+            if refused is not None:  # refused mid-session (its token revoked): not retried
+                first: BaseException = refused
+                while isinstance(first, BaseExceptionGroup):
+                    first = first.exceptions[0]
+                raise first from None
             _, rest = group.split((ConnectionClosed, _Lost, OSError))
             if rest is not None:
                 raise
@@ -291,6 +339,8 @@ async def _serve_loop(ws: Any, codec: Any, sid: str, heartbeat_s: float, send: A
                     nursery.start_soon(serve, msg)
                 elif isinstance(msg, m.WeightVersionAvailable):
                     nursery.start_soon(follow)
+                elif isinstance(msg, m.Refused):
+                    raise JoinRefused(msg.reason)
                 elif isinstance(msg, Rejected) and log is not None:
                     log.warning("daemon rejected a message", kind=msg.kind, detail=msg.detail)
         finally:

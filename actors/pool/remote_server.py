@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -230,14 +230,18 @@ class _Pending:
 
 def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s: float = 2.0,
               heartbeat_timeout_s: float = 10.0, refuse_linger_s: float = 2.0,
-              reservations: Reservations | None = None) -> Starlette:
+              reservations: Reservations | None = None,
+              credentials: Callable[[str], bool] | None = None) -> Starlette:
     """The ASGI app with the ``/join`` WebSocket route (see the module docstring).
-    `token`: the fleet token (None: only the `reservations`' tokens are accepted, the
-    pool's child processes). `refuse_linger_s`: how long a refused peer is given to hang
-    up before the daemon closes the connection itself (`_close_after_peer`)."""
+    `token`: the fleet token (None: only the `reservations`' and `credentials`' tokens
+    are accepted). `credentials`: whether a token is a live issued credential that may
+    join (the daemon's `CredentialStore`, role ``sampler`` or ``admin``); it is asked
+    again at every heartbeat, and a sampler whose token was revoked gets `Refused` and
+    leaves the pool. `refuse_linger_s`: how long a refused peer is given to hang up
+    before the daemon closes the connection itself (`_close_after_peer`)."""
     codec = m.FLEET
-    if token is None and reservations is None:
-        raise ValueError("fleet_app: neither a fleet token nor reservations: nobody could join")
+    if token is None and reservations is None and credentials is None:
+        raise ValueError("fleet_app: no fleet token, reservations or credentials: nobody could join")
 
     async def join(ws: WebSocket) -> None:
         await ws.accept()
@@ -277,9 +281,12 @@ def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s:
             await refuse(f"first message must be Join, got {type(hello).__name__}")
             return
         reservation = reservations.claim(hello.token) if reservations is not None else None
+        issued = False  # joined with an issued credential: checked again at every heartbeat
         if reservation is None and (token is None or not token_matches(hello.token, token)):
-            await refuse("wrong fleet token")
-            return
+            issued = credentials is not None and credentials(hello.token)
+            if not issued:
+                await refuse("wrong fleet token")
+                return
         if hello.protocol < 1 or hello.protocol > PROTOCOL_VERSION:
             await refuse(f"protocol {hello.protocol} not supported (this daemon speaks 1..{PROTOCOL_VERSION})")
             return
@@ -314,10 +321,16 @@ def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s:
                     except Exception:
                         handle.lose("send failed")
 
+            revoked = False
             async with trio.open_nursery() as nursery:
                 async def beat() -> None:
+                    nonlocal revoked
                     while True:
                         await trio.sleep(heartbeat_s)
+                        if issued and credentials is not None and not credentials(hello.token):
+                            revoked = True
+                            nursery.cancel_scope.cancel()
+                            return
                         await send(m.Heartbeat(sampler_id=sid, sent_at=trio.current_time()))
 
                 nursery.start_soon(beat)
@@ -365,6 +378,10 @@ def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s:
                 finally:
                     pool._listeners = [f for f in pool._listeners if f is not forward_versions]
                     nursery.cancel_scope.cancel()
+            if revoked:
+                why = "token revoked"
+                pool._emit("remote refused", reason=why, sampler=sid, client=str(ws.client), level="warning")
+                await send(m.Refused(reason="token revoked"))
         except Exception as exc:  # the connection broke while sending
             why = f"{type(exc).__name__}: {exc}"
         finally:

@@ -243,7 +243,8 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
             return await ctx.run_blocking(trainer.snapshot)
 
     ctx.on_checkpoint(hook)
-    ctx.mount("/weights", blob_app(trainer.store))
+    # followers read weights with a sampler, worker or weights-read token (daemon/credentials.py)
+    ctx.mount("/weights", blob_app(trainer.store), roles=("sampler", "worker", "weights-read"))
     ctx.report_version("version", trainer.version)
     ctx.report_version("step", trainer.step)
     metrics.version.set(trainer.version)

@@ -120,6 +120,7 @@ async def worker(cfg: WorkerConfig, ctx: ActorContext, *,
 class MounterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix: str = "/echo"
     auth: bool = True
+    roles: tuple[str, ...] = ()
 
 
 async def mounter(cfg: MounterConfig, ctx: ActorContext, *,
@@ -133,7 +134,7 @@ async def mounter(cfg: MounterConfig, ctx: ActorContext, *,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})
 
-    ctx.mount(cfg.prefix, app, auth=cfg.auth)
+    ctx.mount(cfg.prefix, app, auth=cfg.auth, roles=cfg.roles)
     task_status.started()
     await ctx.wait_draining()
 

@@ -116,15 +116,17 @@ async def serve_all(pool, reqs):
     return out
 
 
-def pool_daemon_config(pool_config: str) -> str:
+def pool_daemon_config(pool_config: str, http: str = "") -> str:
     """A daemon config with only the pool actor; ``pool_config`` is the body of its
-    ``[actors.pool.config]`` table (more tables may follow it)."""
+    ``[actors.pool.config]`` table (more tables may follow it); ``http``: more lines of
+    the ``[http]`` table."""
     return f"""
 [daemon]
 grace_s = 5.0
 checkpoint_interval_s = 1000.0
 [http]
 port = 0
+{http}
 [logging]
 file = false
 [actors.pool]
@@ -135,14 +137,14 @@ factory = "fleetrl.actors.pool:run"
 
 
 @asynccontextmanager
-async def running_pool(tmp_path, pool_config: str, *, timeout_s: float = 120.0):
+async def running_pool(tmp_path, pool_config: str, *, timeout_s: float = 120.0, http: str = ""):
     """The pool actor under the real supervisor (`pool_daemon_config`): yields
     ``(pool, supervisor, state, nursery)`` once the pool is up, shuts the daemon down on exit."""
     from fleetrl.daemon.config import load_config_text
     from fleetrl.daemon.state import StateDir
     from fleetrl.daemon.supervisor import Supervisor
 
-    cfg = load_config_text(pool_daemon_config(pool_config), source="test.toml")
+    cfg = load_config_text(pool_daemon_config(pool_config, http), source="test.toml")
     state = StateDir(tmp_path / "state").open()
     sup = Supervisor(cfg, state, rng=random.Random(0))
     with state, trio.fail_after(timeout_s):

@@ -271,6 +271,10 @@ def test_child_command_line_is_what_the_sampler_cli_reads(model_dir):
     bare = Launch(join_url=launch.join_url)
     assert "FLEETRL_TOKEN" not in child_env("t", bare, base={"FLEETRL_TOKEN": "stale"})
     assert "--weights" not in child_argv(sc, bare, parent_pid=1)
+    assert "--ca-file" not in argv
+    # a TLS daemon: the child verifies the daemon's own certificate
+    tls = Launch(join_url="wss://127.0.0.1:9/fleet/join", ca_file="/state/daemon.pem")
+    assert build_parser().parse_args(child_argv(sc, tls, parent_pid=1)[3:]).ca_file == "/state/daemon.pem"
     # the flags reach the torch backend, in a child and in the daemon's process alike
     cfg = RemoteClientConfig(join_url=launch.join_url, token="t", backend="torch", dtype="fp8",
                              model_dir=str(model_dir), fp8_scheme=args.fp8_scheme, matmul=args.matmul)
