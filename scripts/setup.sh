@@ -3,7 +3,8 @@
 #   1. a virtualenv in .venv with the package (editable) and its test, vLLM and bench
 #      extras (torch by pip from the machine's CPU wheel, the rest by uv from its shared
 #      cache);
-#   2. a running Docker engine (installs docker.io and debootstrap when missing);
+#   2. a running Docker engine (installs docker.io and debootstrap when missing), and
+#      nginx for the tests (not started);
 #   3. the sandbox base image (built from a Debian root filesystem, cached by recipe).
 # Each step is skipped when its stamp or probe says it is already in place.
 set -euo pipefail
@@ -36,7 +37,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     # seconds where pip took minutes (docs/results/tiny-run.md, session 9).
     "$VENV/bin/pip" install -q "uv==$UV_VERSION"
     uv=("$VENV/bin/uv" pip --quiet)
-    "${uv[@]}" install --python "$VENV/bin/python" "$torch_wheel" -e ".[test,vllm,bench]"
+    "${uv[@]}" install --python "$VENV/bin/python" "$torch_wheel" -e ".[test,vllm,bench,s3]"
     # PyPI's torchvision/torchaudio/torchcodec break `import vllm` beside the CPU torch.
     "${uv[@]}" uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec 2>/dev/null || true
     now=$("$VENV/bin/python" -W ignore -c 'import torch; print(torch.__version__)')
@@ -71,6 +72,12 @@ else
 fi
 command -v debootstrap >/dev/null 2>&1 || {
     export DEBIAN_FRONTEND=noninteractive; apt-get update -qq; apt-get install -y -qq debootstrap >/dev/null; }
+# nginx: the HTTP cache of the delta fan-out tests (tests/weights/test_fanout.py); not started here
+if ! command -v nginx >/dev/null 2>&1 && [[ ! -x /usr/sbin/nginx ]]; then
+    log "installing nginx (the weight fan-out tests' cache)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq nginx-light >/dev/null 2>&1 || { apt-get update -qq; apt-get install -y -qq nginx-light >/dev/null; }
+fi
 
 # --- 3. sandbox image (cached by recipe hash; a no-op when unchanged) ----------
 if "$VENV/bin/fleetrl" sandbox --help >/dev/null 2>&1; then

@@ -41,7 +41,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=64, metavar="N",
                    help="most requests decoded in one backend call (concurrent requests are batched)")
     p.add_argument("--weights", default=None, metavar="URL",
-                   help="base URL of the daemon's delta store to follow weight versions from")
+                   help="where to follow weight versions from: the daemon's delta store "
+                        "(https://HOST:PORT/weights) or an S3-compatible bucket (s3://BUCKET/PREFIX; endpoint and "
+                        "credentials from boto3's configuration, e.g. AWS_ENDPOINT_URL)")
+    p.add_argument("--weights-mirror", default=None, metavar="URL",
+                   help="a cache or mirror of --weights to read through first (an HTTP cache such as nginx, or "
+                        "s3://...); what it lacks or serves stale comes from --weights")
     p.add_argument("--weights-token", default=os.environ.get("FLEETRL_TOKEN"),
                    help="bearer token for the delta store (default: $FLEETRL_TOKEN, else --token when it is "
                         "an issued sampler token: `fleetrl token create --role sampler`)")
@@ -84,7 +89,8 @@ def run_command(args: argparse.Namespace) -> int:
                                  model_dir=args.model, device=args.device, fp8_scheme=args.fp8_scheme,
                                  matmul=args.matmul, price_per_hour=args.price_per_hour,
                                  capacity=args.capacity, max_batch=args.max_batch, weights_url=args.weights,
-                                 weights_token=args.weights_token, name=args.name, ca_file=args.ca_file)
+                                 weights_token=args.weights_token, name=args.name, ca_file=args.ca_file,
+                                 weights_mirror=args.weights_mirror)
         backend = build_backend(cfg)
     except (ValueError, OSError) as exc:
         print(f"fleetrl sampler: {exc}", file=sys.stderr)

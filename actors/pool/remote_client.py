@@ -116,7 +116,14 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """Shown in logs; the daemon assigns the sampler id (a child process of the pool gets
     the id configured for it: its token claims it, `remote_server.Reservations`)."""
     weights_url: str | None = None
-    """Base URL of the daemon's delta store (actors/weights' blob app); None: no following."""
+    """Where the weights come from: the daemon's delta store over HTTP (its ``/weights``
+    mount: ``https://HOST:PORT/weights``) or an S3-compatible bucket (``s3://BUCKET/PREFIX``,
+    endpoint and credentials from boto3's configuration, e.g. ``AWS_ENDPOINT_URL``);
+    None: no following."""
+    weights_mirror: str | None = None
+    """A cache or mirror to read through first (an HTTP cache in front of the delta store,
+    or an ``s3://`` mirror); what it lacks, serves stale (a manifest older than the
+    announced version) or cannot deliver comes from `weights_url` (`MirrorSource`)."""
     weights_token: str | None = None
     """Bearer token for the delta store when it is behind the control plane's auth
     (None: the join token when it is an issued one, `daemon.credentials`, which a
@@ -135,6 +142,11 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             raise ValueError("the fleet token must not be empty")
         if self.ca_file is not None and not Path(self.ca_file).is_file():
             raise ValueError(f"ca_file {self.ca_file!r} is not a file")
+        for name, url in (("weights_url", self.weights_url), ("weights_mirror", self.weights_mirror)):
+            if url is not None and urlsplit(url).scheme not in ("http", "https", "s3"):
+                raise ValueError(f"{name} {url!r} must be an http://, https:// or s3:// location")
+        if self.weights_mirror is not None and self.weights_url is None:
+            raise ValueError("weights_mirror needs weights_url (the origin it falls back to)")
         if not (self.price_per_hour >= 0 and self.price_per_hour != float("inf")):
             raise ValueError(f"price_per_hour must be a finite number >= 0, got {self.price_per_hour}")
         if self.capacity < 1:
@@ -168,7 +180,7 @@ async def run_remote(cfg: RemoteClientConfig, backend: Any, *, log: Any = None,
     """Join and serve, reconnecting with backoff, until cancelled (or `max_connections`
     connections have ended). Raises JoinRefused when the daemon refuses us."""
     delay = cfg.backoff_base_s
-    sync, client = _weight_sync(cfg, backend)
+    sync, clients = _weight_sync(cfg, backend)
     n = 0
     try:
         while max_connections is None or n < max_connections:
@@ -188,8 +200,8 @@ async def run_remote(cfg: RemoteClientConfig, backend: Any, *, log: Any = None,
             await trio.sleep(delay)
             delay = min(delay * 2, cfg.backoff_max_s)
     finally:
-        if client is not None:
-            with trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=True):
+            for client in clients:
                 await client.aclose()
 
 
@@ -216,17 +228,37 @@ def weights_bearer(cfg: RemoteClientConfig) -> str | None:
     return cfg.token if parse_token(cfg.token) is not None else None
 
 
-def _weight_sync(cfg: RemoteClientConfig, backend: Any) -> tuple[WeightSync | None, Any]:
+def _weight_sync(cfg: RemoteClientConfig, backend: Any) -> tuple[WeightSync | None, list[Any]]:
+    """The backend's weight sync and the HTTP clients it uses (closed by the caller)."""
     if cfg.weights_url is None:
-        return None, None
+        return None, []
     import httpx
-
-    from fleetrl.actors.weights.http import HttpBlobSource
 
     bearer = weights_bearer(cfg)
     headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
     client = httpx.AsyncClient(headers=headers, timeout=60.0, verify=ssl_context_of(cfg))
-    return WeightSync(backend, HttpBlobSource(client, cfg.weights_url)), client
+    source = _weight_source(cfg.weights_url, client)
+    if cfg.weights_mirror is not None:
+        from fleetrl.actors.weights.mirror import MirrorSource
+
+        # the mirror is a cache of the origin's blobs: it gets no credential of ours
+        plain = httpx.AsyncClient(timeout=60.0, verify=ssl_context_of(cfg))
+        return WeightSync(backend, MirrorSource(_weight_source(cfg.weights_mirror, plain), source)), [client, plain]
+    return WeightSync(backend, source), [client]
+
+
+def _weight_source(url: str, client: Any) -> Any:
+    """The AsyncBlobSource at `url`: HTTP(S) through `client`, or an S3 bucket."""
+    if url.startswith("s3://"):
+        from fleetrl.actors.weights.follower import StoreSource
+        from fleetrl.actors.weights.s3 import S3Store
+
+        from .local import AsyncStoreSource
+
+        return AsyncStoreSource(StoreSource(S3Store.from_url(url)))
+    from fleetrl.actors.weights.http import HttpBlobSource
+
+    return HttpBlobSource(client, url)
 
 
 async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync | None = None,
@@ -259,8 +291,11 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
             await send(m.SamplerStatus(sampler_id=sid, version=v.version, digest=v.digest,
                                        queue_depth=stats.queued + stats.running, tokens_per_s=0.0))
 
-        async def follow() -> None:
+        async def follow(version: int | None = None) -> None:
             if sync is not None:
+                expect = getattr(sync.source, "expect", None)  # a mirror: older than this is stale
+                if version is not None and expect is not None:
+                    expect(version)
                 try:
                     await sync.sync()
                 except Exception as exc:
@@ -289,9 +324,9 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
             log.info("joined", sampler=sid, version=backend.weight_version.version)
         follow_lock = trio.Lock()
 
-        async def follow_locked() -> None:
+        async def follow_locked(version: int | None = None) -> None:
             async with follow_lock:
-                await follow()
+                await follow(version)
 
         try:
             await _serve_loop(ws, codec, sid, reply.heartbeat_s, send, serve, follow_locked, log)
@@ -338,7 +373,7 @@ async def _serve_loop(ws: Any, codec: Any, sid: str, heartbeat_s: float, send: A
                 if isinstance(msg, m.GenerateRequest):
                     nursery.start_soon(serve, msg)
                 elif isinstance(msg, m.WeightVersionAvailable):
-                    nursery.start_soon(follow)
+                    nursery.start_soon(follow, msg.version)
                 elif isinstance(msg, m.Refused):
                     raise JoinRefused(msg.reason)
                 elif isinstance(msg, Rejected) and log is not None:

@@ -252,3 +252,23 @@ class TorchClient:
         from fleetrl.actors.samplers.base import served_identity, stamp
 
         return stamp(g, f"torch-{len(self.requests)}", served_identity(self.backend, "torch-test"))
+
+
+class NullControlPlane:
+    """The smallest `ControlPlane` for a control app whose mounts are what a test is
+    about (the fleet join, the weights): nothing to report, nothing to pause."""
+
+    def status(self):
+        return {}
+
+    def metrics_text(self):
+        return b""
+
+    def pause(self):
+        pass
+
+    def resume(self):
+        pass
+
+    def request_shutdown(self, reason):
+        pass

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import trio
+from fakes import NullControlPlane
 
 from fleetrl.actors.pool.local import LocalSampler
 from fleetrl.actors.pool import SamplerPool
@@ -24,24 +25,7 @@ from .conftest import request
 TOKEN = "fleet-secret"
 
 
-class _Plane:
-    """The smallest ControlPlane: the join endpoint is what is under test."""
-
-    def status(self):
-        return {}
-
-    def metrics_text(self):
-        return b""
-
-    def pause(self):
-        pass
-
-    def resume(self):
-        pass
-
-    def request_shutdown(self, reason):
-        pass
-
+_Plane = NullControlPlane  # the join endpoint is what is under test
 
 async def _serve(nursery, pool, **kw):
     mounts = MountTable()
