@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("daemon", "actors", "harness", "sandboxes", "grpo")
+PACKAGES = ("daemon", "actors", "harness", "sandboxes", "grpo", "simulate")
 ALLOWED: Mapping[str, frozenset[str]] = {
     "daemon": frozenset(),
     "grpo": frozenset(),
     "sandboxes": frozenset(),
     "harness": frozenset({"daemon", "sandboxes"}),
     "actors": frozenset({"daemon", "grpo", "sandboxes", "harness"}),
+    "simulate": frozenset({"actors"}),
 }
 
 
