@@ -7,7 +7,8 @@ upstream address and injects latency, a bandwidth cap, resets and stalls.
     proxy.plan(stall_after=1 << 20, stall_s=5.0)
 
 Faults are planned per connection, in the order connections arrive; a connection with
-no plan is forwarded cleanly (with the latency and cap). Counters: ``connections``,
+no plan is forwarded cleanly (with the latency and cap). ``reset_all()`` resets every
+open connection at once (a network blip). Counters: ``connections``,
 ``resets``, ``stalls``, ``downstream_bytes``.
 """
 
@@ -42,6 +43,17 @@ class FaultProxy:
         self._plans: deque[Plan] = deque()
         self.connections = self.resets = self.stalls = 0
         self.downstream_bytes = 0
+        self._open: dict[trio.Nursery, tuple[trio.SocketStream, trio.SocketStream]] = {}
+
+    def reset_all(self) -> int:
+        """Reset every open connection now (a network blip); returns how many."""
+        n = len(self._open)
+        for nursery, streams in list(self._open.items()):
+            for stream in streams:
+                _linger0(stream)  # their close (below) sends an RST
+            nursery.cancel_scope.cancel()
+        self.resets += n
+        return n
 
     def plan(self, **kw: float) -> None:
         """Queue the faults of the next connection (`Plan`'s fields)."""
@@ -63,9 +75,11 @@ class FaultProxy:
             return
         try:
             async with trio.open_nursery() as nursery:
+                self._open[nursery] = (client, upstream)
                 nursery.start_soon(self._pump, client, upstream, None, nursery)
                 nursery.start_soon(self._pump, upstream, client, plan, nursery)
         finally:
+            self._open.pop(nursery, None)
             with trio.CancelScope(shield=True):
                 await upstream.aclose()
                 await client.aclose()
@@ -107,10 +121,15 @@ class FaultProxy:
             nursery.cancel_scope.cancel()
 
 
-async def _reset(stream: trio.SocketStream) -> None:
-    """Close with an RST, not a FIN (SO_LINGER 0)."""
+def _linger0(stream: trio.SocketStream) -> None:
+    """Make the stream's close send an RST, not a FIN (SO_LINGER 0)."""
     try:
         stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     except OSError:
         pass
+
+
+async def _reset(stream: trio.SocketStream) -> None:
+    """Close with an RST."""
+    _linger0(stream)
     await stream.aclose()
