@@ -9,6 +9,7 @@ import collections
 
 import torch
 import trio
+from s3server import S3_ENV, moto_s3
 
 from fleetrl.actors.model.tiny_llama import read_state_dict
 from fleetrl.actors.pool import SamplerPool
@@ -38,17 +39,9 @@ class _Counting:
 async def test_remote_sampler_follows_through_an_s3_mirror_and_falls_back_when_it_lags(model_dir, tmp_path,
                                                                                        monkeypatch):
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    import logging
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    try:
-        host_s3, port_s3 = server.get_host_and_port()
-        endpoint = f"http://{host_s3}:{port_s3}"
-        for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                     "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    with moto_s3(tmp_path) as endpoint:
+        for k, v in {"AWS_ENDPOINT_URL": endpoint, **S3_ENV}.items():
             monkeypatch.setenv(k, v)
         boto3.client("s3").create_bucket(Bucket="weights")
         mirror = S3Store.from_url("s3://weights/run-1")
@@ -101,5 +94,3 @@ async def test_remote_sampler_follows_through_an_s3_mirror_and_falls_back_when_i
                 assert backend.weight_version.version == 2
                 scope.cancel()
                 stop.set()
-    finally:
-        server.stop()

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import trio
 from fakes import NullControlPlane
+from s3server import S3_ENV, moto_s3
 
 from fleetrl.actors.pool.local import AsyncStoreSource
 from fleetrl.actors.weights.follower import Follower, StoreSource
@@ -167,20 +168,10 @@ async def test_eight_followers_behind_nginx_fetch_each_blob_from_the_origin_once
 
 
 @pytest.fixture
-def s3_server():
-    """moto's S3 server in this process's threads, on a free 127.0.0.1 port."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+def s3_server(tmp_path):
+    """moto's S3 server (a subprocess) on a free 127.0.0.1 port."""
+    with moto_s3(tmp_path) as endpoint:
+        yield endpoint
 
 
 def _s3(endpoint, bucket="weights", create=True):
@@ -188,8 +179,9 @@ def _s3(endpoint, bucket="weights", create=True):
 
     from fleetrl.actors.weights.s3 import S3Store
 
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
-                          aws_secret_access_key="test")
+    client = boto3.client("s3", endpoint_url=endpoint, region_name=S3_ENV["AWS_DEFAULT_REGION"],
+                          aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"])
     if create:
         client.create_bucket(Bucket=bucket)
     return S3Store(bucket, "run-1/", client=client)

@@ -5,7 +5,6 @@ only the bucket reaches the publisher's exact digest."""
 
 from __future__ import annotations
 
-import logging
 import random
 from functools import partial
 
@@ -13,7 +12,7 @@ import boto3
 import pytest
 import torch
 import trio
-from moto.server import ThreadedMotoServer
+from s3server import S3_ENV, moto_s3
 
 from fleetrl.actors.weights import Follower, LocalDirStore, Publisher, PublisherConfig, StoreSource
 from fleetrl.actors.weights.s3 import S3Store
@@ -24,18 +23,12 @@ from fleetrl.daemon.supervisor import Supervisor
 
 
 @pytest.fixture
-def s3_endpoint(monkeypatch):
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    for k, v in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test",
-                 "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+def s3_endpoint(monkeypatch, tmp_path):
+    """moto's S3 server (a subprocess); boto3 in this process points at it by its environment."""
+    with moto_s3(tmp_path) as endpoint:
+        for k, v in {"AWS_ENDPOINT_URL": endpoint, **S3_ENV}.items():
+            monkeypatch.setenv(k, v)
+        yield endpoint
 
 
 async def test_announced_versions_are_mirrored_and_a_failed_copy_is_retried(tmp_path, s3_endpoint):
