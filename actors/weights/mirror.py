@@ -23,8 +23,9 @@ from typing import Any
 import msgspec
 
 from .errors import BlobIntegrityError, BlobNotFound, ManifestError
+from .follower import StoreSource
 from .manifest import MANIFEST_REF, Manifest, decode_manifest
-from .store import BlobStore, key_of
+from .store import BlobStore
 
 __all__ = ["MirrorSource", "MirrorStatistics", "mirror_current", "referenced_keys"]
 
@@ -38,19 +39,15 @@ def referenced_keys(m: Manifest) -> list[str]:
 def mirror_current(origin: BlobStore, mirror: BlobStore) -> tuple[Manifest, int]:
     """Copy the origin's current version into `mirror` (module docstring); returns its
     manifest and the number of blobs copied."""
+    source = StoreSource(origin)  # reads checked against their keys
     key = origin.get_ref(MANIFEST_REF)
-    data = origin.read(key)
-    if key_of(data) != key:
-        raise BlobIntegrityError(f"manifest blob {key} is corrupted in the origin store")
+    data = source.get(key)
     m = decode_manifest(data)
     copied = 0
     for k in referenced_keys(m):
         if mirror.has(k):
             continue
-        blob = origin.read(k)
-        if key_of(blob) != k:
-            raise BlobIntegrityError(f"blob {k} is corrupted in the origin store")
-        mirror.put(blob)
+        mirror.put(source.get(k))
         copied += 1
     mirror.put(data)
     mirror.set_ref(MANIFEST_REF, key)

@@ -95,9 +95,9 @@ async def run(cfg: WeightsMirrorConfig, ctx: ActorContext, *,
                     owed = max(owed, ctx.inbox.receive_nowait().version)
                 except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                     break
-        if owed is not None and (handle.version is None or owed > handle.version) and await copy(owed):
-            owed = None
-        elif owed is not None and handle.version is not None and owed <= handle.version:
+        if owed is not None and handle.version is not None and owed <= handle.version:
+            owed = None  # the bucket already holds it (a copy takes the store's newest)
+        elif owed is not None and await copy(owed):
             owed = None
     if owed is not None:  # the run is ending: one last try, so the bucket holds the final version
         await copy(owed)
