@@ -14,7 +14,7 @@ One binary WebSocket message = one msgpack message of the `FLEET` conversation:
    answered by `Refused(reason)`; the daemon then sends nothing more and waits for the
    sampler to hang up (`remote_client` does at once), closing the connection itself
    (code 1008) only after ``refuse_linger_s``. Closing at once would race the peer's
-   close inside hypercorn (`_close_after_peer`).
+   close inside hypercorn (`close_after_peer`).
 2. daemon -> sampler: `Welcome` (assigned sampler id, run id, protocol, heartbeat
    interval, newest weight version). A sampler that joined with the fleet token gets a
    fresh id ``remote-N``. The pool's own child processes (`children`) join with a token
@@ -59,7 +59,7 @@ from .auth import token_matches
 from .core import SamplerPool
 from .errors import SamplerLost
 
-__all__ = ["CLOSE_POLICY", "RemoteSampler", "Reservation", "Reservations", "fleet_app"]
+__all__ = ["CLOSE_POLICY", "RemoteSampler", "Reservation", "Reservations", "close_after_peer", "fleet_app", "receive_frame"]
 
 CLOSE_POLICY = 1008
 """WebSocket close code of a refused join."""
@@ -238,7 +238,7 @@ def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s:
     join (the daemon's `CredentialStore`, role ``sampler`` or ``admin``); it is asked
     again at every heartbeat, and a sampler whose token was revoked gets `Refused` and
     leaves the pool. `refuse_linger_s`: how long a refused peer is given to hang up
-    before the daemon closes the connection itself (`_close_after_peer`)."""
+    before the daemon closes the connection itself (`close_after_peer`)."""
     codec = m.FLEET
     if token is None and reservations is None and credentials is None:
         raise ValueError("fleet_app: no fleet token, reservations or credentials: nobody could join")
@@ -256,7 +256,7 @@ def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s:
             pool._emit("remote refused", reason=reason, client=str(ws.client), level="warning")
             try:
                 await send(m.Refused(reason=reason))
-                await _close_after_peer(ws, refuse_linger_s, code=CLOSE_POLICY, reason=reason[:100])
+                await close_after_peer(ws, refuse_linger_s, code=CLOSE_POLICY, reason=reason[:100])
             except Exception:
                 pass
 
@@ -268,7 +268,7 @@ def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s:
             await refuse(f"query parameter price_per_hour={ws.query_params.get('price_per_hour')!r} "
                          "must be a finite number >= 0")
             return
-        first = await _receive(ws, heartbeat_timeout_s)
+        first = await receive_frame(ws, heartbeat_timeout_s)
         if first is None:
             await refuse(f"no Join within {heartbeat_timeout_s} s")
             return
@@ -337,7 +337,7 @@ def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s:
                 pool.on_version(forward_versions)
                 try:
                     while True:
-                        data = await _receive(ws, heartbeat_timeout_s)
+                        data = await receive_frame(ws, heartbeat_timeout_s)
                         if data is None:
                             why = f"silent for {heartbeat_timeout_s} s (or disconnected)"
                             peer_gone = True  # or silent: then nothing is waited for
@@ -395,14 +395,14 @@ def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s:
                     if peer_gone:
                         await ws.close()
                     else:  # a Leave: the sampler hangs up next
-                        await _close_after_peer(ws, refuse_linger_s)
+                        await close_after_peer(ws, refuse_linger_s)
                 except Exception:
                     pass
 
     return Starlette(routes=[WebSocketRoute("/join", join)])
 
 
-async def _close_after_peer(ws: WebSocket, linger_s: float, *, code: int = 1000, reason: str = "") -> None:
+async def close_after_peer(ws: WebSocket, linger_s: float, *, code: int = 1000, reason: str = "") -> None:
     """End a conversation whose last word was ours: wait up to `linger_s` for the peer
     to hang up (frames it still sends are dropped), and close only if it has not.
 
@@ -421,7 +421,7 @@ async def _close_after_peer(ws: WebSocket, linger_s: float, *, code: int = 1000,
     await ws.close(code=code, reason=reason)
 
 
-async def _receive(ws: WebSocket, timeout_s: float) -> bytes | None:
+async def receive_frame(ws: WebSocket, timeout_s: float) -> bytes | None:
     """The next binary frame, or None on disconnect or `timeout_s` of silence."""
     with trio.move_on_after(timeout_s):
         while True:

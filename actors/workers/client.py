@@ -1,0 +1,348 @@
+"""A remote environment worker: `fleetrl worker --join URL --token T` (the worker's side).
+
+`run_worker` owns a state directory on the worker's host (its lock, like a daemon's: the
+sandbox sweep spares the containers of a live owner), removes the sandboxes an earlier
+worker of that directory left, starts the sandbox reaper (`sandboxes.reaper`: it removes
+this process's containers if it dies), then joins and serves, reconnecting with backoff.
+
+One connection (`serve_once`, the conversation is in daemon/worker_messages.py): send
+`WorkerJoin`; get `WorkerWelcome` (settings, tokenizer, signing key) and the signed
+harness (`shipping.open_harness`: a pickled one only over wss://); open a sandbox pool on
+this host's Docker engine; then run each `TaskAssigned` as one group with the
+environment worker's own machinery (`envworker.worker._Worker.group`: attempts, retries,
+sandboxes, group scoring), its model calls sent to the daemon as `GenerateRequest`s
+(`RemotePool`, behind the same `PoolModelClient` a local worker uses). The group goes back
+as a `RolloutGroup` (its failures as `RolloutFailed`), then `TaskEnded`. When the
+connection ends, the groups in flight are cancelled and their sandboxes removed; the
+daemon hands their tasks to other workers.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+from trio_websocket import ConnectionClosed, HandshakeError
+
+from fleetrl.actors.envworker.model import PoolModelClient
+from fleetrl.actors.envworker.worker import _Worker
+from fleetrl.actors.pool.errors import JoinRefused
+from fleetrl.actors.pool.remote_client import connect
+from fleetrl.daemon import messages as m
+from fleetrl.daemon import worker_messages as w
+from fleetrl.daemon.errors import BadMessage
+from fleetrl.daemon.metrics import ActorMetrics, MetricsRegistry
+from fleetrl.daemon.protocol import Rejected
+from fleetrl.harness.tasks import Task
+
+from .config import RemoteWorkersConfig
+from .errors import DaemonSilent, UnsafeHarness, WorkerSetupError
+from .shipping import open_harness
+from .tokenizer_files import write_tokenizer_files
+
+__all__ = ["RemotePool", "WorkerClientConfig", "WorkerSetupError", "run_worker", "serve_once"]
+
+
+class WorkerClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    join_url: str
+    """``wss://HOST:PORT/workers/join`` (``ws://`` only for harnesses given by import path)."""
+    token: str
+    state_dir: str = ".fleetrl-worker"
+    """This worker's own directory (lock, tokenizer, sandbox labels)."""
+    groups: int = 2
+    """Groups (tasks) run at once."""
+    name: str = ""
+    ca_file: str | None = None
+    """PEM file of the CAs that sign the daemon's certificate (None: the system's)."""
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(self.join_url)
+        if parts.scheme not in ("ws", "wss") or not parts.hostname:
+            raise ValueError(f"join URL {self.join_url!r} must look like wss://HOST:PORT/workers/join")
+        if not self.token:
+            raise ValueError("the worker token must not be empty (fleetrl token create --role worker)")
+        if not 1 <= self.groups <= 4096:
+            raise ValueError(f"groups must be 1..4096, got {self.groups}")
+        if self.ca_file is not None and not Path(self.ca_file).is_file():
+            raise ValueError(f"ca_file {self.ca_file!r} is not a file")
+        if not (0 < self.backoff_base_s <= self.backoff_max_s):
+            raise ValueError("backoff_base_s must be > 0 and <= backoff_max_s")
+
+    @property
+    def secure(self) -> bool:
+        return self.join_url.startswith("wss://")
+
+
+class RemotePool:
+    """The sampler pool as seen from a remote worker: each request goes to the daemon over
+    the connection; `resolve` hands back what comes for it (the `SamplerPool` calls the
+    worker's `PoolModelClient` makes: ``generate`` and ``stream``)."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._pending: dict[str, _Pending] = {}
+        self.lost: str | None = None
+
+    async def generate(self, request: m.GenerateRequest) -> m.Generation | m.GenerateFailed:
+        answer = None
+        async for item in self.stream(msgspec.structs.replace(request, stream=False)):
+            answer = item
+        assert answer is not None and not isinstance(answer, m.TokenChunk)
+        return answer
+
+    async def stream(self, request: m.GenerateRequest) -> AsyncIterator[m.TokenChunk | m.Generation | m.GenerateFailed]:
+        rid = request.request_id
+        if self.lost is not None:
+            yield m.GenerateFailed(request_id=rid, retryable=True, reason=f"connection to the daemon: {self.lost}")
+            return
+        if rid in self._pending:
+            raise ValueError(f"request {rid!r} is already in flight")
+        pending = self._pending[rid] = _Pending()
+        try:
+            await self._send(request)
+            while True:
+                if pending.tokens:
+                    ids, pending.tokens = pending.tokens, []
+                    yield m.TokenChunk(request_id=rid, token_ids=ids)
+                    continue
+                if pending.answer is not None:
+                    yield pending.answer
+                    return
+                if self.lost is not None:
+                    yield m.GenerateFailed(request_id=rid, retryable=True,
+                                           reason=f"connection to the daemon: {self.lost}")
+                    return
+                await pending.wake.wait()
+                pending.wake = trio.Event()
+        finally:
+            self._pending.pop(rid, None)
+
+    def resolve(self, msg: m.Generation | m.GenerateFailed | m.TokenChunk) -> bool:
+        pending = self._pending.get(msg.request_id)
+        if pending is None or pending.answer is not None:
+            return False
+        if isinstance(msg, m.TokenChunk):
+            pending.tokens.extend(msg.token_ids)
+        else:
+            pending.answer = msg
+        pending.wake.set()
+        return True
+
+    def lose(self, reason: str) -> None:
+        self.lost = self.lost or reason
+        for pending in self._pending.values():
+            pending.wake.set()
+
+
+class _Pending:
+    __slots__ = ("answer", "tokens", "wake")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.answer: m.Generation | m.GenerateFailed | None = None
+        self.wake = trio.Event()
+
+
+class _Context:
+    """What the environment worker's machinery asks of its actor context, on a worker host."""
+
+    def __init__(self, name: str, log: Any) -> None:
+        self.name = name
+        self.log = log
+        self.metrics = ActorMetrics(MetricsRegistry(), name)
+        self.draining = False
+        self.daemon_dir = None
+
+    async def wait_draining(self) -> None:
+        await trio.sleep_forever()
+
+    async def wait_unpaused(self) -> None:
+        return
+
+
+class _Outcomes:
+    """The cursor the machinery reports each group's end to (`TaskEnded` follows)."""
+
+    floor = 0
+
+    def __init__(self) -> None:
+        self.ended: dict[int, str] = {}
+
+    def finish(self, i: int) -> None:
+        self.ended[i] = "finished"
+
+    def release(self, i: int) -> None:
+        self.ended[i] = "abandoned"
+
+
+class _Channel:
+    """``send`` of a message over the connection (the machinery's ``out``)."""
+
+    def __init__(self, send: Any) -> None:
+        self.send = send
+
+
+def _log(log: Any, level: str, event: str, **kw: Any) -> None:
+    if log is not None:
+        getattr(log, level)(event, **kw)
+
+
+async def serve_once(cfg: WorkerClientConfig, *, instance_id: str, log: Any = None) -> bool:
+    """One connection: join, run assigned groups until it ends. Whether it was welcomed."""
+    from fleetrl.actors.pool.remote_client import ssl_context_of
+    from fleetrl.harness.model import HFChatTokenizer
+    from fleetrl.sandboxes import Ownership, WarmPolicy, open_sandbox_pool
+
+    codec = w.WORKERS
+    async with connect(cfg.join_url, ssl_context=ssl_context_of(cfg)) as ws:  # type: ignore[arg-type]
+        await ws.send_message(codec.encode(w.WorkerJoin(token=cfg.token, name=cfg.name or socket.gethostname(),
+                                                        groups=cfg.groups)))
+        with trio.fail_after(60):
+            reply = codec.decode(await ws.get_message())
+            if isinstance(reply, m.Refused):
+                raise JoinRefused(reply.reason)
+            if not isinstance(reply, w.WorkerWelcome):
+                raise JoinRefused(f"expected WorkerWelcome or Refused, got {type(reply).__name__}")
+            shipped = codec.decode(await ws.get_message())
+        if not isinstance(shipped, w.HarnessShipped):
+            raise JoinRefused(f"expected HarnessShipped after the welcome, got {type(shipped).__name__}")
+        try:
+            harness = open_harness(shipped, reply.harness_key, secure=cfg.secure)
+        except UnsafeHarness as exc:
+            await ws.send_message(codec.encode(m.Leave(sampler_id=reply.worker_id, reason=str(exc)[:200])))
+            raise JoinRefused(str(exc)) from None
+        settings = msgspec.msgpack.decode(reply.settings, type=RemoteWorkersConfig)
+        settings = msgspec.structs.replace(settings, atif=False)
+        tok_dir = write_tokenizer_files(reply.tokenizer, Path(cfg.state_dir) / "tokenizer" / reply.run_id)
+        tokenizer = await trio.to_thread.run_sync(HFChatTokenizer.from_pretrained, str(tok_dir))
+        wid = reply.worker_id
+        lock = trio.Lock()
+
+        async def send(msg: Any) -> None:
+            data = codec.encode(msg)
+            async with lock:
+                await ws.send_message(data)
+
+        remote = RemotePool(send)
+        model = PoolModelClient(remote, tokenizer, min_version=settings.model.min_version)
+        ctx = _Context(reply.actor, log)
+        s = settings.sandbox
+        ownership = Ownership.for_state_dir(cfg.state_dir, owner=instance_id, run=reply.run_id)
+        policy = WarmPolicy(min_warm=s.min_warm, max_warm=s.max_warm, max_containers=s.max_containers)
+        _log(log, "info", "worker joined", worker=wid, run=reply.run_id, harness=shipped.ref, via=shipped.kind)
+        try:
+            async with open_sandbox_pool(ownership, policy=policy) as sandboxes:
+                outcomes = _Outcomes()
+                channel = _Channel(send)
+                worker = _Worker(settings, ctx, harness=harness, model=model, pool=sandboxes, out=channel,
+                                 failures_out=channel, cursor=outcomes)  # type: ignore[arg-type]
+
+                async def run_task(msg: w.TaskAssigned) -> None:
+                    try:
+                        task = msgspec.msgpack.decode(msg.task, type=Task)
+                    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+                        _log(log, "error", "assigned task does not decode", task_number=msg.index, error=str(exc))
+                        await send(Rejected(kind="invalid", detail=f"task {msg.index}: {exc}"[:1024]))
+                        await send(w.TaskEnded(index=msg.index, outcome="finished"))
+                        return
+                    await worker.group(msg.index, task, trio.Semaphore(0))
+                    await send(w.TaskEnded(index=msg.index, outcome=outcomes.ended.pop(msg.index, "abandoned")))
+
+                await _conversation(ws, codec, wid, reply.heartbeat_s, send, remote, run_task, log)
+        except (ConnectionClosed, DaemonSilent, OSError) as exc:
+            _log(log, "warning", "connection ended", why=f"{type(exc).__name__}: {exc}")
+        except BaseExceptionGroup as group:
+            refused, rest = group.split(JoinRefused)
+            if refused is not None:
+                first: BaseException = refused
+                while isinstance(first, BaseExceptionGroup):
+                    first = first.exceptions[0]
+                raise first from None
+            _, rest = group.split((ConnectionClosed, DaemonSilent, OSError))
+            if rest is not None:
+                raise
+        finally:
+            remote.lose("disconnected")
+    return True
+
+
+async def _conversation(ws: Any, codec: Any, wid: str, heartbeat_s: float, send: Any, remote: RemotePool,
+                        run_task: Any, log: Any) -> None:
+    """Heartbeats out; tasks and model answers in, until the connection ends."""
+    async with trio.open_nursery() as nursery:
+        async def beat() -> None:
+            while True:
+                await trio.sleep(heartbeat_s)
+                await send(m.Heartbeat(sampler_id=wid, sent_at=trio.current_time()))
+
+        await send(m.Heartbeat(sampler_id=wid, sent_at=trio.current_time()))  # ready: tasks may come
+        nursery.start_soon(beat)
+        silence = 5 * heartbeat_s
+        try:
+            while True:
+                with trio.move_on_after(silence) as timer:
+                    data = await ws.get_message()
+                if timer.cancelled_caught:
+                    raise DaemonSilent(f"no message from the daemon for {silence} s")
+                try:
+                    msg = codec.decode(data)
+                except BadMessage as exc:
+                    await send(Rejected(kind=exc.kind, detail=str(exc.detail)[:1024]))
+                    continue
+                if isinstance(msg, w.TaskAssigned):
+                    nursery.start_soon(run_task, msg)
+                elif isinstance(msg, (m.Generation, m.GenerateFailed, m.TokenChunk)):
+                    remote.resolve(msg)
+                elif isinstance(msg, m.Refused):
+                    raise JoinRefused(msg.reason)
+                elif isinstance(msg, Rejected):
+                    _log(log, "warning", "daemon rejected a message", kind=msg.kind, detail=msg.detail)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def run_worker(cfg: WorkerClientConfig, *, log: Any = None, max_connections: int | None = None) -> None:
+    """Own the state directory, sweep, start the reaper, then join and serve with backoff
+    until cancelled (or `max_connections` have ended). Raises JoinRefused when refused."""
+    from fleetrl.daemon.state import StateDir
+    from fleetrl.sandboxes import sweep
+    from fleetrl.sandboxes.reaper import start_reaper
+
+    state = StateDir(cfg.state_dir).open()
+    reaper = None
+    try:
+        try:
+            report = await sweep(state.path, current_instance_id=state.instance_id)
+        except Exception as exc:  # docker.errors.DockerException: the engine is not reachable
+            raise WorkerSetupError(f"cannot reach this host's Docker engine (sandboxes run there): {exc}") from None
+        _log(log, "info", "sandbox sweep", removed=len(report.removed), errors=list(report.errors))
+        reaper = start_reaper(state.path)
+        delay = cfg.backoff_base_s
+        n = 0
+        while max_connections is None or n < max_connections:
+            n += 1
+            served = False
+            try:
+                served = await serve_once(cfg, instance_id=state.instance_id, log=log)
+                why = "daemon closed the connection"
+            except (OSError, ConnectionClosed, HandshakeError, DaemonSilent, trio.TooSlowError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            if served:
+                delay = cfg.backoff_base_s
+            _log(log, "warning", "connection lost; reconnecting", why=why, in_s=delay)
+            if max_connections is not None and n >= max_connections:
+                return
+            await trio.sleep(delay)
+            delay = min(delay * 2, cfg.backoff_max_s)
+    finally:
+        state.close()
+        if reaper is not None and reaper.stdin is not None:
+            reaper.stdin.close()  # it sweeps (nothing is left by now) and exits
