@@ -219,6 +219,17 @@ class EnvWorkerConfig(_Strict):
     (the defaults), a directory, or a table of `AtifOutput` settings; ``false``: none."""
 
     def __post_init__(self) -> None:
+        self._check_harness_and_model()
+        if self.retry.max_failed_per_group is not None and self.retry.max_failed_per_group > self.group_size:
+            raise ValueError(f"retry.max_failed_per_group={self.retry.max_failed_per_group} exceeds "
+                             f"group_size={self.group_size}")
+        self.atif_output()  # an empty directory name is refused at load
+        if self.sandbox.max_warm > self.sandbox.max_containers:
+            raise ValueError(f"sandbox.max_warm={self.sandbox.max_warm} exceeds "
+                             f"sandbox.max_containers={self.sandbox.max_containers}")
+
+    def _check_harness_and_model(self) -> None:
+        """``harness``, ``model`` and ``endpoint`` agree (remote workers check otherwise)."""
         if self.harness == EXTERNAL:
             if self.endpoint is None:
                 raise ValueError('harness = "external" needs endpoint = NAME (the endpoint actor it calls)')
@@ -231,13 +242,6 @@ class EnvWorkerConfig(_Strict):
                 raise ValueError("missing required key 'model' (only harness = \"external\" runs without one)")
             if self.endpoint is not None:
                 raise ValueError(f'endpoint = {self.endpoint!r} is only used with harness = "external"')
-        if self.retry.max_failed_per_group is not None and self.retry.max_failed_per_group > self.group_size:
-            raise ValueError(f"retry.max_failed_per_group={self.retry.max_failed_per_group} exceeds "
-                             f"group_size={self.group_size}")
-        self.atif_output()  # an empty directory name is refused at load
-        if self.sandbox.max_warm > self.sandbox.max_containers:
-            raise ValueError(f"sandbox.max_warm={self.sandbox.max_warm} exceeds "
-                             f"sandbox.max_containers={self.sandbox.max_containers}")
 
     def external_command(self) -> Any:
         """``harness_config`` as the `ExternalCommand` of ``harness = "external"`` (checked)."""

@@ -19,7 +19,10 @@ daemon hands their tasks to other workers.
 
 from __future__ import annotations
 
+import os
 import socket
+from contextlib import asynccontextmanager
+from functools import partial
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -199,7 +202,7 @@ async def serve_once(cfg: WorkerClientConfig, *, instance_id: str, log: Any = No
     """One connection: join, run assigned groups until it ends. Whether it was welcomed."""
     from fleetrl.actors.pool.remote_client import ssl_context_of
     from fleetrl.harness.model import HFChatTokenizer
-    from fleetrl.sandboxes import Ownership, WarmPolicy, open_sandbox_pool
+    from fleetrl.sandboxes import Ownership, WarmPolicy
 
     codec = w.WORKERS
     async with connect(cfg.join_url, ssl_context=ssl_context_of(cfg)) as ws:  # type: ignore[arg-type]
@@ -239,11 +242,13 @@ async def serve_once(cfg: WorkerClientConfig, *, instance_id: str, log: Any = No
         policy = WarmPolicy(min_warm=s.min_warm, max_warm=s.max_warm, max_containers=s.max_containers)
         _log(log, "info", "worker joined", worker=wid, run=reply.run_id, harness=shipped.ref, via=shipped.kind)
         try:
-            async with open_sandbox_pool(ownership, policy=policy) as sandboxes:
+            async with _machinery(harness, settings, model, tokenizer, ownership, policy, log) as (run_with, sandboxes):
                 outcomes = _Outcomes()
                 channel = _Channel(send)
-                worker = _Worker(settings, ctx, harness=harness, model=model, pool=sandboxes, out=channel,
-                                 failures_out=channel, cursor=outcomes)  # type: ignore[arg-type]
+                external = run_with is not harness  # the command's calls reach the model through its endpoint
+                worker = _Worker(settings, ctx, harness=run_with, model=None if external else model,
+                                 pool=sandboxes, out=channel, failures_out=channel,
+                                 cursor=outcomes)  # type: ignore[arg-type]
 
                 async def run_task(msg: w.TaskAssigned) -> None:
                     try:
@@ -272,6 +277,49 @@ async def serve_once(cfg: WorkerClientConfig, *, instance_id: str, log: Any = No
         finally:
             remote.lose("disconnected")
     return True
+
+
+@asynccontextmanager
+async def _machinery(opened: Any, settings: RemoteWorkersConfig, model: PoolModelClient, tokenizer: Any,
+                     ownership: Any, policy: Any, log: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """The harness attempts run with, and this host's sandbox pool (every container removed
+    on exit). An external command (`ExternalCommand`) gets an OpenAI-compatible endpoint
+    on 127.0.0.1 that answers through the connection (`model`), and runs as an
+    `ExternalHarness` against it."""
+    from fleetrl.harness.external import ExternalCommand, ExternalHarness
+    from fleetrl.sandboxes import open_sandbox_pool
+
+    async with open_sandbox_pool(ownership, policy=policy) as sandboxes:
+        if not isinstance(opened, ExternalCommand):
+            yield opened, sandboxes
+            return
+        async with _local_endpoint(model, tokenizer, settings.endpoint_config) as (registry, base_url):
+            harness = ExternalHarness(opened.relative_to(os.getcwd()), registry=registry, base_url=base_url,
+                                      model_name=settings.endpoint_config.model_name)
+            _log(log, "info", "external harness", argv=list(opened.argv), endpoint=base_url)
+            try:
+                yield harness, sandboxes
+            finally:
+                with trio.CancelScope(shield=True):
+                    await harness.aclose()
+
+
+@asynccontextmanager
+async def _local_endpoint(model: PoolModelClient, tokenizer: Any, config: Any) -> AsyncIterator[tuple[Any, str]]:
+    """The endpoint app (`harness.openai_api.create_app`) served on 127.0.0.1 (a free
+    port) while the block runs: its registry and base URL."""
+    from fleetrl.daemon.control import serve_control
+    from fleetrl.harness.openai_api import AttemptRegistry, create_app
+
+    registry = AttemptRegistry(tokenizer)
+    app = create_app(model, registry, config)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        _, port = await nursery.start(partial(serve_control, app, "127.0.0.1", 0, shutdown_trigger=stop.wait))
+        try:
+            yield registry, f"http://127.0.0.1:{port}/v1"
+        finally:
+            stop.set()
 
 
 async def _conversation(ws: Any, codec: Any, wid: str, heartbeat_s: float, send: Any, remote: RemotePool,

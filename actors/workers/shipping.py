@@ -5,7 +5,8 @@ of two forms (`HarnessShipped`):
 
 * ``import``: the import path and its ``harness_config`` (JSON); the worker loads it with
   its own copy of that module (fleetrl's own harnesses, or a package the user installed
-  on every worker host).
+  on every worker host). ``harness = "external"`` always travels this way: its config
+  is the command (`ExternalCommand`), run on the worker host.
 * ``pickle``: the harness object itself as cloudpickle bytes, with the user's module
   pickled by value, so a harness written in the user's own code runs on hosts that do not
   have that code. Modules the harness merely imports (numpy, ...) still travel by
@@ -29,8 +30,10 @@ from typing import Any, Literal
 
 import msgspec
 
+from fleetrl.actors.envworker.config import EXTERNAL
 from fleetrl.actors.envworker.harnesses import load_harness
 from fleetrl.daemon.worker_messages import HarnessShipped
+from fleetrl.harness.external import ExternalCommand
 from fleetrl.harness.protocol import Harness
 
 from .errors import UnsafeHarness
@@ -60,7 +63,9 @@ def ship_harness(path: str, config: dict[str, Any], key: bytes, *, mode: ShipMod
     """The harness at ``path`` (with ``config``, as `load_harness` takes them) as a signed
     message. ``auto``: by import path when the module is fleetrl's own, else pickled."""
     module = path.partition(":")[0]
-    kind = ("import" if _own(module) else "pickle") if mode == "auto" else mode
+    kind = ("import" if _own(module) or path == EXTERNAL else "pickle") if mode == "auto" else mode
+    if path == EXTERNAL and kind != "import":
+        raise ValueError('harness = "external" is a command, not code: it travels by its argv (ship_harness = "auto")')
     if kind == "import":
         payload = json.dumps(config, sort_keys=True).encode()
     else:
@@ -94,10 +99,11 @@ def _pickled(harness: Harness, module: str) -> bytes:
             cloudpickle.unregister_pickle_by_value(mod)
 
 
-def open_harness(msg: HarnessShipped, key: bytes, *, secure: bool) -> Harness:
+def open_harness(msg: HarnessShipped, key: bytes, *, secure: bool) -> Harness | ExternalCommand:
     """The harness in `msg`, after checking its signature under `key`; a pickled one only
-    when ``secure`` (the connection is TLS). Raises `UnsafeHarness` when it may not be
-    loaded, ValueError when it cannot be."""
+    when ``secure`` (the connection is TLS). ``harness = "external"`` gives its
+    `ExternalCommand` (the worker runs it against an endpoint of its own). Raises
+    `UnsafeHarness` when it may not be loaded, ValueError when it cannot be."""
     if not msg.mac:
         raise UnsafeHarness(f"harness {msg.ref!r} arrived unsigned: refused")
     if not hmac.compare_digest(msg.mac, sign(key, msg.kind, msg.ref, msg.payload)):
@@ -109,6 +115,11 @@ def open_harness(msg: HarnessShipped, key: bytes, *, secure: bool) -> Harness:
             raise ValueError(f"harness {msg.ref!r}: its config is not JSON: {exc}") from None
         if not isinstance(config, dict):
             raise ValueError(f"harness {msg.ref!r}: its config must be a JSON object")
+        if msg.ref == EXTERNAL:
+            try:
+                return msgspec.convert(config, ExternalCommand)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"the external harness's command: {exc}") from None
         return load_harness(msg.ref, config)
     if not secure:
         raise UnsafeHarness(f"harness {msg.ref!r} is pickled and this connection is not TLS: refused "

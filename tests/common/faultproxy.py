@@ -10,10 +10,24 @@ Faults are planned per connection, in the order connections arrive; a connection
 no plan is forwarded cleanly (with the latency and cap). ``reset_all()`` resets every
 open connection at once (a network blip). Counters: ``connections``,
 ``resets``, ``stalls``, ``downstream_bytes``.
+
+``latency_s`` is slept before forwarding each read of up to 16 KiB, one read at a time, so
+it also throttles a connection to 16 KiB per ``latency_s``. A link, for measuring
+transfers against a model (``bench/fleet_validate.py``), is the optional link mode:
+
+    proxy = FaultProxy("127.0.0.1", port, delay_s=0.01, bandwidth_bps=20e6, shared_bps=50e6)
+
+``delay_s`` is a one-way propagation delay in each direction (a round trip of
+``2 * delay_s``), pipelined: data is delivered ``delay_s`` after it was read, however much
+is in flight. ``bandwidth_bps`` then caps each connection like a link of that rate (a read
+waits for the link to be free, not for a sleep after it), and ``shared_bps`` caps the
+downstream of all the proxy's connections together (an uplink), handed out in turn, so
+connections share it max-min fairly. Link mode forwards cleanly: it takes no plans.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 from collections import deque
@@ -35,10 +49,17 @@ class Plan:
 
 class FaultProxy:
     def __init__(self, upstream_host: str, upstream_port: int, *, latency_s: float = 0.0,
-                 bandwidth_bps: float | None = None, listen_host: str = "127.0.0.1") -> None:
+                 bandwidth_bps: float | None = None, listen_host: str = "127.0.0.1",
+                 delay_s: float = 0.0, shared_bps: float | None = None) -> None:
+        if (delay_s or shared_bps) and latency_s:
+            raise ValueError("latency_s is not a link-mode option: give delay_s instead")
         self.upstream = (upstream_host, upstream_port)
         self.latency_s = latency_s
         self.bandwidth_bps = bandwidth_bps
+        self.delay_s = delay_s
+        self.shared_bps = shared_bps
+        self._link_mode = bool(delay_s or shared_bps)
+        self._shared = _Pacer(shared_bps) if shared_bps else None
         self.listen_host = listen_host
         self._plans: deque[Plan] = deque()
         self.connections = self.resets = self.stalls = 0
@@ -57,6 +78,8 @@ class FaultProxy:
 
     def plan(self, **kw: float) -> None:
         """Queue the faults of the next connection (`Plan`'s fields)."""
+        if self._link_mode:
+            raise ValueError("a link-mode proxy (delay_s, shared_bps) takes no plans")
         self._plans.append(Plan(**kw))  # type: ignore[arg-type]
 
     async def serve(self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -76,8 +99,12 @@ class FaultProxy:
         try:
             async with trio.open_nursery() as nursery:
                 self._open[nursery] = (client, upstream)
-                nursery.start_soon(self._pump, client, upstream, None, nursery)
-                nursery.start_soon(self._pump, upstream, client, plan, nursery)
+                if self._link_mode:
+                    nursery.start_soon(self._link, client, upstream, False, nursery)
+                    nursery.start_soon(self._link, upstream, client, True, nursery)
+                else:
+                    nursery.start_soon(self._pump, client, upstream, None, nursery)
+                    nursery.start_soon(self._pump, upstream, client, plan, nursery)
         finally:
             self._open.pop(nursery, None)
             with trio.CancelScope(shield=True):
@@ -119,6 +146,81 @@ class FaultProxy:
                     self.downstream_bytes += len(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             nursery.cancel_scope.cancel()
+
+
+    async def _link(self, src: trio.SocketStream, dst: trio.SocketStream, downstream: bool,
+                    nursery: trio.Nursery) -> None:
+        """Link mode, one direction: read, wait for this connection's link (and, downstream,
+        for the shared uplink), deliver ``delay_s`` later (a reader and a writer task)."""
+        own = _Bucket(self.bandwidth_bps) if self.bandwidth_bps else None
+        shared = self._shared if downstream else None
+        send, recv = trio.open_memory_channel[tuple[float, bytes]](math.inf)
+
+        async def writer() -> None:
+            try:
+                async for due, data in recv:
+                    await trio.sleep_until(due)
+                    await dst.send_all(data)
+                    if downstream:
+                        self.downstream_bytes += len(data)
+                await dst.send_eof()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(writer)
+            async with send:
+                while True:
+                    try:
+                        data = await src.receive_some(16384)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        nursery.cancel_scope.cancel()
+                        return
+                    if not data:
+                        return
+                    if own is not None:
+                        await own.take(len(data))
+                    at = trio.current_time()
+                    if shared is not None:
+                        at = await shared.take(len(data))
+                    send.send_nowait((at + self.delay_s, data))
+
+
+class _Bucket:
+    """One connection's cap of `bps`: a token bucket of two reads (it refills while the
+    connection waits for the shared uplink, so the two caps do not add up)."""
+
+    def __init__(self, bps: float, burst: int = 2 * 16384) -> None:
+        self.bps, self.burst = bps, burst
+        self._tokens = float(burst)
+        self._at = trio.current_time()
+
+    async def take(self, n: int) -> None:
+        now = trio.current_time()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.bps / 8)
+        self._at = now
+        self._tokens -= n
+        if self._tokens < 0:
+            await trio.sleep(-self._tokens * 8 / self.bps)
+
+
+class _Pacer:
+    """A link of `bps`: ``take(n)`` waits until the link is free (it sends one take at a
+    time, in the order they came, each for ``n * 8 / bps`` seconds) and returns when the
+    n bytes have gone through it."""
+
+    def __init__(self, bps: float) -> None:
+        self.bps = bps
+        self._free_at = 0.0
+        self._lock = trio.Lock()
+
+    async def take(self, n: int) -> float:
+        async with self._lock:  # FIFO: waiting connections get the link in turn
+            now = trio.current_time()
+            start = max(now, self._free_at)
+            self._free_at = start + n * 8 / self.bps
+            await trio.sleep_until(self._free_at)
+            return self._free_at
 
 
 def _linger0(stream: trio.SocketStream) -> None:

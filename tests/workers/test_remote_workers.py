@@ -44,7 +44,7 @@ def _config(tmp_path: Path, model_dir: Path, certs, *, tls: bool = True) -> str:
     tasks.write_text("".join(json.dumps({"id": f"parity-{i}", "prompt": "x = ", "evaluator": {
         "command": "test $(( $(cksum < solution.py | cut -d ' ' -f 1) % 2 )) -eq 0"}}) + "\n" for i in range(TASKS)))
     weights = tmp_path / "weights"
-    http = f'tls_cert = "{certs.cert}"\ntls_key = "{certs.key}"' if tls else ""
+    http = f'tls_cert = "{certs.cert}"\ntls_key = "{certs.key}"' if tls else ""  # certs: None without TLS
     return f"""
 [daemon]
 grace_s = 60.0
@@ -219,3 +219,57 @@ async def test_a_worker_on_plain_ws_refuses_a_pickled_harness(
             assert "not TLS" in workers.log("plain")
             assert hub.statistics().tasks_assigned == 0  # it left before any task went out
             sup.request_shutdown("test")
+
+
+SCRIPT = Path(__file__).resolve().parents[1] / "endpoint" / "scripts" / "two_calls_count.py"
+
+
+async def test_an_external_command_runs_on_the_worker_host_against_an_endpoint_of_its_own(
+        tmp_path, tiny_model_dir, actors_module, workers, image):
+    """``harness = "external"``: the command (the official openai client making two calls)
+    runs on the worker host against the worker's own endpoint, which answers through the
+    connection; its calls are recorded token for token and the task's evaluator scores the
+    file it wrote into the worker's sandbox."""
+    test_actors = actors_module("workers_test_actors", "RECEIVED")
+    text = _config(tmp_path, tiny_model_dir, None, tls=False)
+    tasks = tmp_path / "count-tasks.jsonl"
+    # reward 1 when the first answer had an odd number of tokens (the command writes both counts)
+    tasks.write_text("".join(json.dumps({
+        "id": f"count-{i}", "prompt": "Say something.", "image": image,
+        "evaluator": {"command": 'set -- $(cat answer.txt); test $(($1 % 2)) = 1'},
+        "limits": {"timeout_s": 60}}) + "\n" for i in range(2)))
+    text = text.split("[actors.remote.config]")[0] + f"""[actors.remote.config]
+target = "trainer"
+tasks = {{kind = "jsonl", path = "{tasks}", repeat = false}}
+model = {{kind = "pool", pool = "pool", tokenizer_dir = "{tiny_model_dir}", pacing = false}}
+harness = "external"
+harness_config = {{argv = ["{sys.executable}", "{SCRIPT}"], timeout_s = 60}}
+endpoint_config = {{model_name = "tiny", context_length = 1024}}
+group_size = 2
+heartbeat_s = 0.5
+heartbeat_timeout_s = 5.0
+sandbox = {{memory_mb = 256, min_warm = 0, max_warm = 2, max_containers = 4}}
+"""
+    state = StateDir(tmp_path / "state").open()
+    sup = Supervisor(load_config_text(text, source="test.toml"), state, rng=random.Random(0))
+    _, token = CredentialStore(state.path).create("worker")
+    got = test_actors.RECEIVED["trained"]
+    with state, trio.fail_after(300):
+        async with trio.open_nursery() as n:
+            await n.start(partial(sup.run, handle_signals=False))
+            await sup.wait_handle("remote")
+            _, port = read_control(state.path)
+            workers.start("ext", f"ws://127.0.0.1:{port}/workers/join", token)
+            await _until(lambda: len(got) >= 2, "both groups", 240, workers)
+            sup.request_shutdown("test")
+    assert not test_actors.RECEIVED["trained/failed"], test_actors.RECEIVED["trained/failed"]
+    assert sorted(g.group_id for _, g in got) == ["count-0#0@remote", "count-1#1@remote"]
+    for _, group in got:
+        assert len(group.trajectories) == 2
+        for t in group.trajectories:
+            s0, s1 = t.segments  # the command's two calls, recorded by the worker's endpoint
+            p0, g0 = s0.prompt_ids.to_numpy().tolist(), s0.token_ids.to_numpy().tolist()
+            p1 = s1.prompt_ids.to_numpy().tolist()
+            assert p1[: len(p0) + len(g0)] == p0 + g0  # extended exactly, not re-tokenised
+            assert t.reward == (1.0 if len(g0) % 2 == 1 else 0.0), (len(g0), t.reward)
+    assert "external harness" in workers.log("ext")
