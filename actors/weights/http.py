@@ -116,11 +116,19 @@ def blob_app(store: BlobStore) -> Starlette:
 
 
 class HttpBlobSource:
-    """An AsyncBlobSource over :func:`blob_app`: every blob is checked against its key."""
+    """An AsyncBlobSource over :func:`blob_app`: every blob is checked against its key.
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str) -> None:
+    A blob download that breaks (a reset, a dropped connection) or stalls (nothing read
+    for ``stall_s`` seconds) is resumed where it stopped with a ranged GET, up to
+    ``retries`` times with a doubling pause from ``backoff_s``; ``resumes`` counts them.
+    A server that ignores the range (200 instead of 206) sends the whole blob again."""
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str, *, retries: int = 5, stall_s: float = 30.0,
+                 backoff_s: float = 0.5) -> None:
         self.client = client
         self.base = base_url.rstrip("/")
+        self.retries, self.stall_s, self.backoff_s = retries, stall_s, backoff_s
+        self.resumes = 0
 
     async def ref(self, name: str) -> str:
         r = await self.client.get(f"{self.base}/refs/{check_ref_name(name)}")
@@ -130,13 +138,33 @@ class HttpBlobSource:
         return check_key(r.text.strip())
 
     async def get(self, key: str) -> bytes:
-        r = await self.client.get(f"{self.base}/blobs/{check_key(key)}")
-        if r.status_code == 404:
-            raise BlobNotFound(key)
-        r.raise_for_status()
-        if key_of(r.content) != key:
+        url = f"{self.base}/blobs/{check_key(key)}"
+        timeout = httpx.Timeout(60.0, read=self.stall_s)
+        buf = bytearray()
+        tries = 0
+        while True:
+            headers = {"Range": f"bytes={len(buf)}-"} if buf else {}
+            try:
+                async with self.client.stream("GET", url, headers=headers, timeout=timeout) as r:
+                    if r.status_code == 404:
+                        raise BlobNotFound(key)
+                    if r.status_code == 416 and buf:  # everything had arrived before the break
+                        break
+                    r.raise_for_status()
+                    if buf and r.status_code != 206:  # the range was ignored: the whole blob again
+                        buf.clear()
+                    async for chunk in r.aiter_bytes():
+                        buf += chunk
+                break
+            except httpx.TransportError:  # reset, dropped, or stalled past stall_s: resume
+                tries += 1
+                if tries > self.retries:
+                    raise
+                self.resumes += 1
+                await anyio.sleep(min(self.backoff_s * 2 ** (tries - 1), 10.0))
+        if key_of(buf) != key:
             raise BlobIntegrityError(f"blob {key} fetched from {self.base} does not hash to its key")
-        return r.content
+        return bytes(buf)
 
     async def get_range(self, key: str, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of a blob (a resumed or partial download)."""

@@ -125,12 +125,17 @@ def test_vllm_child_sampler_trains_in_serve_and_survives_sigkill(tmp_path, warm_
     joined = events("sampler joined", sampler=VLLM)[0]
     assert (joined["backend"], joined["dtype"], joined["remote"]) == ("vllm", "bfloat16", True)
 
-    # SIGKILL the vLLM child while it holds requests
-    daemon.wait_for(lambda: (control.sample("fleetrl_sampler_queue_depth", VLLM) or 0) > 0,
-                    "the vLLM sampler holds requests", 600)
-    os.kill(first_pid, signal.SIGKILL)
-    daemon.wait_for(lambda: len(events("sampler process joined", sampler=VLLM)) >= 2,
-                    "the restarted vLLM child joins", 1200)
+    # SIGKILL the vLLM child while it holds requests. A request takes a fraction of a second,
+    # so the ones seen held may all have been answered by the time the signal lands: then
+    # no request is re-routed, and the restarted child is killed the same way (at most 3 kills)
+    for kills in range(1, 4):
+        daemon.wait_for(lambda: (control.sample("fleetrl_sampler_queue_depth", VLLM) or 0) > 0,
+                        "the vLLM sampler holds requests", 600)
+        os.kill(events("sampler process started", sampler=VLLM)[-1]["pid"], signal.SIGKILL)
+        daemon.wait_for(lambda: len(events("sampler process joined", sampler=VLLM)) >= kills + 1,
+                        "the restarted vLLM child joins", 1200)
+        if events("request re-routed", sampler=VLLM):
+            break
     rejoined_at = max((x["step"] for x in steps()), default=0)
     # the new process generates and the trainer trains on its tokens (groups admitted
     # before the kill are trained within max_staleness steps: 3 steps later they are gone)
@@ -155,7 +160,7 @@ def test_vllm_child_sampler_trains_in_serve_and_survives_sigkill(tmp_path, warm_
     assert len(starts) >= 2 and starts[1]["pid"] != first_pid
     rejoin = events("sampler joined", sampler=VLLM)[1]
     assert rejoin["version"] >= 1  # it caught up with the delta stream over HTTP before serving
-    assert len(events("restarting sampler process", sampler=VLLM)) >= 1
+    assert len(events("restarting sampler process", sampler=VLLM)) >= kills
     # nothing left running: every sampler process was reaped
     assert not [s["pid"] for s in starts if Path(f"/proc/{s['pid']}").exists()]
     assert (state / "actors" / "pool" / "samplers" / f"{VLLM}.log").read_text().count(f" of sampler {VLLM}: ") \

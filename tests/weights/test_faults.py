@@ -1,7 +1,8 @@
 """Blob downloads through a userspace TCP fault proxy (tests/common/faultproxy.py: this
-kernel has no netem): latency and a bandwidth cap only slow a download. (Resuming a
-reset or stalled download with a ranged GET was tried on 2026-12-06 and reverted: it
-made tests/e2e/test_vllm_fleet.py fail; see the issue 23 note.)"""
+kernel has no netem): a download reset mid-blob, or stalled past the stall timeout,
+resumes where it stopped with a ranged GET and yields the exact blob; latency and a
+bandwidth cap only slow it; a source that keeps failing gives up with the transport
+error after its retries."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 from contextlib import asynccontextmanager
 
 import httpx
+import pytest
 import trio
 from faultproxy import FaultProxy
 
@@ -51,6 +53,25 @@ async def _origin_and_proxy(store, **proxy_kw):
         stop.set()
 
 
+async def test_a_reset_and_a_stall_are_resumed_with_ranged_gets():
+    store = MemoryStore()
+    blob = os.urandom(SIZE)
+    key = store.put(blob)
+    with trio.fail_after(60):
+        async with _origin_and_proxy(store, latency_s=0.002, bandwidth_bps=400e6) as (origin, proxy, pport):
+            proxy.plan(reset_after=SIZE // 3)  # first try: RST a third of the way in
+            proxy.plan(stall_after=SIZE // 3, stall_s=3.0)  # second: stalls past the 0.5 s stall timeout
+            async with httpx.AsyncClient() as client:
+                source = HttpBlobSource(client, f"http://127.0.0.1:{pport}", stall_s=0.5, backoff_s=0.05)
+                got = await source.get(key)
+            assert got == blob
+            assert proxy.resets == 1 and proxy.stalls == 1 and source.resumes == 2
+            ranged = [r for r in origin.seen if r.startswith("bytes=")]
+            assert origin.seen["whole"] == 1 and len(ranged) == 2, origin.seen
+            starts = sorted(int(r[6:-1]) for r in ranged)
+            assert 0 < starts[0] <= starts[1] < SIZE  # each resumed where the bytes stopped
+
+
 async def test_latency_and_a_bandwidth_cap_only_slow_a_download():
     store = MemoryStore()
     blob = os.urandom(1 << 20)
@@ -63,4 +84,18 @@ async def test_latency_and_a_bandwidth_cap_only_slow_a_download():
                 assert await source.get(key) == blob
                 took = trio.current_time() - t0
             assert took >= (1 << 20) * 8 / 40e6 * 0.9  # the cap held
-            assert origin.seen == {"whole": 1}
+            assert source.resumes == 0 and origin.seen == {"whole": 1}
+
+
+async def test_a_source_that_keeps_breaking_gives_up_after_its_retries():
+    store = MemoryStore()
+    key = store.put(os.urandom(SIZE))
+    with trio.fail_after(60):
+        async with _origin_and_proxy(store) as (_origin, proxy, pport):
+            for _ in range(3):
+                proxy.plan(reset_after=1000)
+            async with httpx.AsyncClient() as client:
+                source = HttpBlobSource(client, f"http://127.0.0.1:{pport}", retries=2, backoff_s=0.01)
+                with pytest.raises(httpx.TransportError):
+                    await source.get(key)
+            assert source.resumes == 2 and proxy.resets == 3
