@@ -20,6 +20,7 @@ daemon hands their tasks to other workers.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from contextlib import asynccontextmanager
 from functools import partial
@@ -145,6 +146,9 @@ class RemotePool:
             pending.wake.set()
 
 
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
 class _Pending:
     __slots__ = ("answer", "tokens", "wake")
 
@@ -222,6 +226,8 @@ async def serve_once(cfg: WorkerClientConfig, *, instance_id: str, log: Any = No
         except UnsafeHarness as exc:
             await ws.send_message(codec.encode(m.Leave(sampler_id=reply.worker_id, reason=str(exc)[:200])))
             raise JoinRefused(str(exc)) from None
+        if not _PLAIN_NAME.fullmatch(reply.run_id) or reply.run_id in (".", ".."):
+            raise JoinRefused(f"the daemon's run id {reply.run_id!r} is not a plain name")
         settings = msgspec.msgpack.decode(reply.settings, type=RemoteWorkersConfig)
         settings = msgspec.structs.replace(settings, atif=False)
         tok_dir = write_tokenizer_files(reply.tokenizer, Path(cfg.state_dir) / "tokenizer" / reply.run_id)

@@ -14,8 +14,8 @@ saying why). Per connected worker:
   pacer's release order;
 * its model calls (`GenerateRequest`) are answered through the sampler pool, streamed
   when asked;
-* a `RolloutGroup` must be the group of a task the worker holds (else `Rejected`, and
-  nothing is forwarded); it finishes the task. `TaskEnded` frees the slot (``abandoned``:
+* a `RolloutGroup` (or `RolloutFailed`) must be of a task the worker holds (else
+  `Rejected`, and nothing is forwarded); a group finishes its task. `TaskEnded` frees the slot (``abandoned``:
   the task is requeued);
 * when the connection ends (`Leave`, closed, ``heartbeat_timeout_s`` of silence) every
   task the worker still holds is requeued: nothing admitted is lost, and a group that
@@ -326,7 +326,11 @@ class Hub:
                 elif isinstance(msg, m.RolloutGroup):
                     problem = await self.group_in(link, msg)
                 elif isinstance(msg, m.RolloutFailed):
-                    await self.failures_out.send(msg)
+                    if self.book.of_group(msg.group_id, link.worker_id) is None:
+                        problem = (f"failure of attempt {msg.attempt_id!r}: group {msg.group_id!r} is not "
+                                   "held by this worker")
+                    else:
+                        await self.failures_out.send(msg)
                 elif isinstance(msg, w.TaskEnded):
                     problem = self.task_ended(link, msg)
                 elif isinstance(msg, m.Leave):
