@@ -28,6 +28,7 @@ SIGTERM, SIGKILL after ``process_grace_s``, and are reaped).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,13 @@ async def run(cfg: PoolConfig, ctx: ActorContext, *,
     finally:
         if reply is not None:
             reply.close()
+        if launch is not None and launch.weights_url is not None and ctx.credentials is not None:
+            from fleetrl.daemon.credentials import UnknownCredential
+
+            try:
+                ctx.credentials.revoke(children_credential(ctx))
+            except UnknownCredential:
+                pass
         ctx.metrics.registry.unregister(collector)
         ctx.metrics.registry.unregister(pauses)
 
@@ -192,7 +200,30 @@ def _launch(cfg: PoolConfig, ctx: ActorContext) -> Launch:
     web, ws = ("https", "wss") if cert else ("http", "ws")
     weights_url = f"{web}://{base}{cfg.weights_prefix}" if cfg.weights_dir is not None else None
     return Launch(join_url=f"{ws}://{base}{cfg.join_prefix}/join", weights_url=weights_url,
-                  control_token=read_token(ctx.daemon_dir) if weights_url is not None else None, ca_file=cert)
+                  control_token=_weights_token(ctx) if weights_url is not None else None, ca_file=cert)
+
+
+def children_credential(ctx: ActorContext) -> str:
+    """The name of the ``weights-read`` token this pool's child samplers read weights with."""
+    return re.sub(r"[^A-Za-z0-9._@-]", "-", f"pool-{ctx.name}-children")[:64]
+
+
+def _weights_token(ctx: ActorContext) -> str:
+    """A ``weights-read`` token for the child samplers (they read weights and nothing
+    else: their join uses a reservation token of its own): the one of an earlier start is
+    revoked and a fresh one issued; revoked again when the pool ends. Without a token
+    store (a bare kernel): the daemon's token."""
+    store = ctx.credentials
+    if store is None:
+        return read_token(ctx.daemon_dir)
+    from fleetrl.daemon.credentials import UnknownCredential
+
+    try:
+        store.revoke(children_credential(ctx))
+    except UnknownCredential:
+        pass
+    _, token = store.create("weights-read", children_credential(ctx))
+    return token
 
 
 def _process_metrics(ctx: ActorContext) -> Callable[[ProcessSampler], None]:

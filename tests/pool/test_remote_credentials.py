@@ -132,3 +132,45 @@ dtype = "fp32"
         while not [sid for sid in pool.handles if sid.startswith("remote-")]:
             await trio.sleep(0.05)
         scope.cancel()
+
+
+def _child_env(var: str) -> str | None:
+    """`var` in the environment of this process's child sampler (found under /proc)."""
+    import os
+    from pathlib import Path
+
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"fleetrl.actors.pool.cli" not in argv or str(os.getpid()).encode() not in argv:
+                continue
+            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        return env.get(var.encode(), b"").decode() or None
+    return None
+
+
+async def test_a_child_sampler_reads_weights_with_a_weights_read_token_revoked_when_the_pool_ends(
+        tmp_path, model_dir):
+    """Child samplers read the delta store with a `weights-read` token issued for this
+    pool start (not the daemon's admin token): active while the pool runs, revoked after."""
+    from .conftest import running_pool
+
+    async with running_pool(tmp_path, f"""
+join = true
+weights_dir = "{tmp_path / 'weights'}"
+wait_for_processes = true
+[[actors.pool.config.samplers]]
+id = "kid"
+model_dir = "{model_dir}"
+process = true
+dtype = "fp32"
+""", timeout_s=300) as (pool, sup, state, _n):
+        store = CredentialStore(state.path)
+        token = _child_env("FLEETRL_TOKEN")
+        assert token is not None and token != state.token  # never the admin token
+        cred = store.identify(token)
+        assert cred is not None and cred.role == "weights-read" and cred.name == "pool-pool-children"
+    assert store.identify(token) is None  # revoked when the pool ended
+    assert [c.name for c in store.list() if c.active] == []
