@@ -1,7 +1,7 @@
 """Issue 23's acceptance fleet: a `fleetrl serve` daemon (trainer with the tiny model, a
 sampler pool with no sampler of its own, the remote workers actor) and four hosts, each
 in its own network namespace and reaching the daemon only through its own userspace
-fault proxy with latency: two sampler hosts (`fleetrl sampler`, an issued sampler token:
+fault proxy with latency and a bandwidth cap (40 Mbit/s): two sampler hosts (`fleetrl sampler`, an issued sampler token:
 join, follow the weights over /weights) and two worker hosts (`fleetrl worker`, an issued
 worker token, sandboxes on the machine's Docker engine). Mid-run one worker host's
 connection blips (reset), then one worker host and one sampler host are SIGKILLed.
@@ -159,7 +159,8 @@ async def test_two_sampler_and_two_worker_hosts_behind_fault_proxies_train_throu
             async with trio.open_nursery() as n:
                 proxies: dict[str, FaultProxy] = {}
                 for name, ns in (("sa", sa), ("sb", sb), ("wa", wa), ("wb", wb)):
-                    proxy = FaultProxy("127.0.0.1", port, latency_s=0.005, listen_host=ns.host_ip)
+                    proxy = FaultProxy("127.0.0.1", port, latency_s=0.005, bandwidth_bps=40e6,
+                                       listen_host=ns.host_ip)
                     _, pport = await n.start(proxy.serve)
                     proxies[name] = proxy
                     base = f"{ns.host_ip}:{pport}"
