@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-__all__ = ["build_parser", "exit_with_parent", "main", "register", "run_command"]
+__all__ = ["build_parser", "exit_with_parent", "main", "register", "run_command", "serve_until_sigterm"]
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,16 +111,23 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 async def _serve_until_terminated(cfg: Any, backend: Any, log: Any) -> None:
-    """`run_remote` until SIGTERM (then return: exit 0) or a refused join (raised)."""
-    from .remote_client import JoinRefused, run_remote
+    from .remote_client import run_remote
+
+    await serve_until_sigterm(lambda: run_remote(cfg, backend, log=log), log)
+
+
+async def serve_until_sigterm(serve: Any, log: Any) -> None:
+    """Run ``await serve()`` until SIGTERM (then return: exit 0) or a refused join (the
+    `JoinRefused` is raised, out of any task group)."""
+    from .remote_client import JoinRefused
 
     refused: JoinRefused | None = None
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            async def serve() -> None:
+            async def run() -> None:
                 nonlocal refused
                 try:
-                    await run_remote(cfg, backend, log=log)
+                    await serve()
                 except JoinRefused as exc:
                     refused = exc
                 nursery.cancel_scope.cancel()
@@ -132,7 +139,7 @@ async def _serve_until_terminated(cfg: Any, backend: Any, log: Any) -> None:
                     return
 
             nursery.start_soon(terminate)
-            nursery.start_soon(serve)
+            nursery.start_soon(run)
     if refused is not None:
         raise refused
 

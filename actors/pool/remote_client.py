@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -40,8 +40,8 @@ from .batcher import Batcher
 from .local import WeightSync
 from .errors import JoinRefused, PoolError, SamplerLost
 
-__all__ = ["JoinRefused", "RemoteClientConfig", "build_backend", "connect", "run_remote", "serve_once",
-           "ssl_context_of", "weights_bearer"]
+__all__ = ["JoinRefused", "RemoteClientConfig", "build_backend", "connect", "ended_by", "keep_connected", "run_remote",
+           "serve_once", "ssl_context_of", "weights_bearer"]
 
 
 @asynccontextmanager
@@ -179,30 +179,57 @@ async def run_remote(cfg: RemoteClientConfig, backend: Any, *, log: Any = None,
                      max_connections: int | None = None) -> None:
     """Join and serve, reconnecting with backoff, until cancelled (or `max_connections`
     connections have ended). Raises JoinRefused when the daemon refuses us."""
-    delay = cfg.backoff_base_s
     sync, clients = _weight_sync(cfg, backend)
-    n = 0
     try:
-        while max_connections is None or n < max_connections:
-            n += 1
-            served = False
-            try:
-                served = await serve_once(cfg, backend, sync=sync, log=log)
-                why = "daemon closed the connection"
-            except (OSError, ConnectionClosed, HandshakeError, _Lost, trio.TooSlowError) as exc:
-                why = f"{type(exc).__name__}: {exc}"
-            if served:
-                delay = cfg.backoff_base_s
-            if log is not None:
-                log.warning("connection lost; reconnecting", why=why, in_s=delay)
-            if max_connections is not None and n >= max_connections:
-                return
-            await trio.sleep(delay)
-            delay = min(delay * 2, cfg.backoff_max_s)
+        await keep_connected(lambda: serve_once(cfg, backend, sync=sync, log=log), base_s=cfg.backoff_base_s,
+                             max_s=cfg.backoff_max_s, log=log, max_connections=max_connections,
+                             lost=(_Lost,))
     finally:
         with trio.CancelScope(shield=True):
             for client in clients:
                 await client.aclose()
+
+
+async def keep_connected(connect_once: Callable[[], Awaitable[bool]], *, base_s: float, max_s: float, log: Any,
+                         max_connections: int | None = None, lost: tuple[type[BaseException], ...] = ()) -> None:
+    """Run `connect_once` (one connection; returns whether it was welcomed) again and
+    again: after a lost connection (an OSError, a closed or failed WebSocket, a timeout,
+    or one of `lost`) wait ``base_s``, doubling up to ``max_s``, reset after a connection
+    that was welcomed. Ends after `max_connections` connections; anything else raised
+    (a `JoinRefused`) ends it too."""
+    delay = base_s
+    n = 0
+    while max_connections is None or n < max_connections:
+        n += 1
+        served = False
+        try:
+            served = await connect_once()
+            why = "daemon closed the connection"
+        except (OSError, ConnectionClosed, HandshakeError, trio.TooSlowError, *lost) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if served:
+            delay = base_s
+        if log is not None:
+            log.warning("connection lost; reconnecting", why=why, in_s=delay)
+        if max_connections is not None and n >= max_connections:
+            return
+        await trio.sleep(delay)
+        delay = min(delay * 2, max_s)
+
+
+def ended_by(group: BaseExceptionGroup, lost: tuple[type[BaseException], ...]) -> None:
+    """A connection's task group ended with `group`: raise the first `JoinRefused` in it
+    (a refusal mid-session, such as a revoked token: not retried), return when the rest
+    is only the connection's loss (`lost`, closed, OSError), else raise the group."""
+    refused, _ = group.split(JoinRefused)
+    if refused is not None:
+        first: BaseException = refused
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    _, rest = group.split((ConnectionClosed, OSError, *lost))
+    if rest is not None:
+        raise group
 
 
 class _Lost(PoolError):
@@ -334,15 +361,7 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
             if log is not None:
                 log.warning("connection ended", why=f"{type(exc).__name__}: {exc}")
         except BaseExceptionGroup as group:
-            refused, _ = group.split(JoinRefused)
-            if refused is not None:  # refused mid-session (its token revoked): not retried
-                first: BaseException = refused
-                while isinstance(first, BaseExceptionGroup):
-                    first = first.exceptions[0]
-                raise first from None
-            _, rest = group.split((ConnectionClosed, _Lost, OSError))
-            if rest is not None:
-                raise
+            ended_by(group, (_Lost,))  # a refusal mid-session (its token revoked) is raised: not retried
         finally:
             batcher.close("disconnected")  # the daemon re-routes what this connection held
     return True

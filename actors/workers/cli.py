@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from typing import Any
 
@@ -82,31 +81,11 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 async def _serve_until_terminated(cfg: Any, log: Any) -> None:
-    from fleetrl.actors.pool.errors import JoinRefused
+    from fleetrl.actors.pool.cli import serve_until_sigterm
 
     from .client import run_worker
 
-    refused: JoinRefused | None = None
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            async def serve() -> None:
-                nonlocal refused
-                try:
-                    await run_worker(cfg, log=log)
-                except JoinRefused as exc:
-                    refused = exc
-                nursery.cancel_scope.cancel()
-
-            async def terminate() -> None:
-                async for _ in signals:
-                    log.info("SIGTERM: leaving")
-                    nursery.cancel_scope.cancel()
-                    return
-
-            nursery.start_soon(terminate)
-            nursery.start_soon(serve)
-    if refused is not None:
-        raise refused
+    await serve_until_sigterm(lambda: run_worker(cfg, log=log), log)
 
 
 def main(argv: list[str] | None = None) -> int:

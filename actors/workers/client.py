@@ -30,12 +30,12 @@ from typing import Any
 
 import msgspec
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError
+from trio_websocket import ConnectionClosed
 
 from fleetrl.actors.envworker.model import PoolModelClient
 from fleetrl.actors.envworker.worker import _Worker
 from fleetrl.actors.pool.errors import JoinRefused
-from fleetrl.actors.pool.remote_client import connect
+from fleetrl.actors.pool.remote_client import connect, ended_by, keep_connected
 from fleetrl.daemon import messages as m
 from fleetrl.daemon import worker_messages as w
 from fleetrl.daemon.errors import BadMessage
@@ -271,15 +271,7 @@ async def serve_once(cfg: WorkerClientConfig, *, instance_id: str, log: Any = No
         except (ConnectionClosed, DaemonSilent, OSError) as exc:
             _log(log, "warning", "connection ended", why=f"{type(exc).__name__}: {exc}")
         except BaseExceptionGroup as group:
-            refused, rest = group.split(JoinRefused)
-            if refused is not None:
-                first: BaseException = refused
-                while isinstance(first, BaseExceptionGroup):
-                    first = first.exceptions[0]
-                raise first from None
-            _, rest = group.split((ConnectionClosed, DaemonSilent, OSError))
-            if rest is not None:
-                raise
+            ended_by(group, (DaemonSilent,))  # a refusal mid-session (its token revoked) is raised
         finally:
             remote.lose("disconnected")
     return True
@@ -379,23 +371,9 @@ async def run_worker(cfg: WorkerClientConfig, *, log: Any = None, max_connection
             raise WorkerSetupError(f"cannot reach this host's Docker engine (sandboxes run there): {exc}") from None
         _log(log, "info", "sandbox sweep", removed=len(report.removed), errors=list(report.errors))
         reaper = start_reaper(state.path)
-        delay = cfg.backoff_base_s
-        n = 0
-        while max_connections is None or n < max_connections:
-            n += 1
-            served = False
-            try:
-                served = await serve_once(cfg, instance_id=state.instance_id, log=log)
-                why = "daemon closed the connection"
-            except (OSError, ConnectionClosed, HandshakeError, DaemonSilent, trio.TooSlowError) as exc:
-                why = f"{type(exc).__name__}: {exc}"
-            if served:
-                delay = cfg.backoff_base_s
-            _log(log, "warning", "connection lost; reconnecting", why=why, in_s=delay)
-            if max_connections is not None and n >= max_connections:
-                return
-            await trio.sleep(delay)
-            delay = min(delay * 2, cfg.backoff_max_s)
+        await keep_connected(lambda: serve_once(cfg, instance_id=state.instance_id, log=log),
+                             base_s=cfg.backoff_base_s, max_s=cfg.backoff_max_s, log=log,
+                             max_connections=max_connections, lost=(DaemonSilent,))
     finally:
         state.close()
         if reaper is not None and reaper.stdin is not None:
