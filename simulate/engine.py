@@ -129,6 +129,9 @@ def simulate(fleet: Fleet, strategy: Strategy, delta_bytes: float, *, seed: int 
                      max(to_origin_ms(cloud[p]) + to_origin_ms(cloud[c]), fleet.local_rtt_ms)) / 1e3
                     for p, c in zip(src.tolist(), child.tolist(), strict=True)])
     cap = fleet.tcp_window_mib * (1 << 20) / rtt
+    # a sampler reads the version pointer and the manifest before its first request
+    sync_until = np.array([fleet.sync_round_trips * r if kind[c] == "sampler" else 0.0
+                           for r, c in zip(rtt.tolist(), child.tolist(), strict=True)])
     fail_gb = np.array([max(clouds[cloud[p]].failure_per_gb, clouds[cloud[c]].failure_per_gb)
                         for p, c in zip(src.tolist(), child.tolist(), strict=True)])
     held = np.zeros(n, dtype=np.int64)  # chunks each node holds (in order)
@@ -153,7 +156,7 @@ def simulate(fleet: Fleet, strategy: Strategy, delta_bytes: float, *, seed: int 
         if nxt[e] < n_chunks and held[src[e]] > nxt[e] and not moving[e] and not np.isfinite(ready[e]):
             remaining[e] = sizes[nxt[e]]
             breaks_at[e] = draw_break(e, remaining[e])
-            ready[e] = t + rtt[e]
+            ready[e] = max(t, sync_until[e]) + rtt[e]
 
     t = 0.0
     for e in range(n - 1):

@@ -59,6 +59,9 @@ class Fleet(msgspec.Struct, frozen=True, kw_only=True):
     relay_fanout: int = 4
     apply_gbps: float = 16.0
     """How fast a sampler applies a delta once it holds it (Gbit/s of delta)."""
+    sync_round_trips: int = 0
+    """Round trips a sampler spends from publication before its first chunk request,
+    over the same path (fleetrl's follower reads the version pointer and the manifest: 2)."""
 
     def __post_init__(self) -> None:
         if not self.clouds or not 0 <= self.origin < len(self.clouds):
@@ -67,6 +70,8 @@ class Fleet(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("origin_gbps, chunk_mib, tcp_window_mib and apply_gbps must be > 0")
         if self.relay_fanout < 1:
             raise ValueError("relay_fanout must be >= 1")
+        if self.sync_round_trips < 0:
+            raise ValueError("sync_round_trips must be >= 0")
 
     @property
     def samplers(self) -> int:

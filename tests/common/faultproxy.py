@@ -15,14 +15,16 @@ open connection at once (a network blip). Counters: ``connections``,
 it also throttles a connection to 16 KiB per ``latency_s``. A link, for measuring
 transfers against a model (``bench/fleet_validate.py``), is the optional link mode:
 
-    proxy = FaultProxy("127.0.0.1", port, delay_s=0.01, bandwidth_bps=20e6, shared_bps=50e6)
+    uplink = Uplink(50e6)                   # shared by every proxy given it
+    proxy = FaultProxy("127.0.0.1", port, delay_s=0.01, bandwidth_bps=20e6, uplink=uplink)
 
 ``delay_s`` is a one-way propagation delay in each direction (a round trip of
 ``2 * delay_s``), pipelined: data is delivered ``delay_s`` after it was read, however much
-is in flight. ``bandwidth_bps`` then caps each connection like a link of that rate (a read
-waits for the link to be free, not for a sleep after it), and ``shared_bps`` caps the
-downstream of all the proxy's connections together (an uplink), handed out in turn, so
-connections share it max-min fairly. Link mode forwards cleanly: it takes no plans.
+is in flight. ``bandwidth_bps`` then caps each connection with a token bucket (it refills
+while the connection waits for the uplink, so the two caps do not add up), and ``uplink``
+caps the downstream of all connections of all proxies that share it (a trainer's uplink),
+handed out one read at a time in turn, so connections share it max-min fairly. Link mode
+forwards cleanly: it takes no plans.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import trio
 
-__all__ = ["FaultProxy", "Plan"]
+__all__ = ["FaultProxy", "Plan", "Uplink"]
 
 
 @dataclass(frozen=True)
@@ -50,16 +52,15 @@ class Plan:
 class FaultProxy:
     def __init__(self, upstream_host: str, upstream_port: int, *, latency_s: float = 0.0,
                  bandwidth_bps: float | None = None, listen_host: str = "127.0.0.1",
-                 delay_s: float = 0.0, shared_bps: float | None = None) -> None:
-        if (delay_s or shared_bps) and latency_s:
+                 delay_s: float = 0.0, uplink: Uplink | None = None) -> None:
+        if (delay_s or uplink) and latency_s:
             raise ValueError("latency_s is not a link-mode option: give delay_s instead")
         self.upstream = (upstream_host, upstream_port)
         self.latency_s = latency_s
         self.bandwidth_bps = bandwidth_bps
         self.delay_s = delay_s
-        self.shared_bps = shared_bps
-        self._link_mode = bool(delay_s or shared_bps)
-        self._shared = _Pacer(shared_bps) if shared_bps else None
+        self.uplink = uplink
+        self._link_mode = bool(delay_s or uplink)
         self.listen_host = listen_host
         self._plans: deque[Plan] = deque()
         self.connections = self.resets = self.stalls = 0
@@ -79,7 +80,7 @@ class FaultProxy:
     def plan(self, **kw: float) -> None:
         """Queue the faults of the next connection (`Plan`'s fields)."""
         if self._link_mode:
-            raise ValueError("a link-mode proxy (delay_s, shared_bps) takes no plans")
+            raise ValueError("a link-mode proxy (delay_s, uplink) takes no plans")
         self._plans.append(Plan(**kw))  # type: ignore[arg-type]
 
     async def serve(self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -153,7 +154,7 @@ class FaultProxy:
         """Link mode, one direction: read, wait for this connection's link (and, downstream,
         for the shared uplink), deliver ``delay_s`` later (a reader and a writer task)."""
         own = _Bucket(self.bandwidth_bps) if self.bandwidth_bps else None
-        shared = self._shared if downstream else None
+        shared = self.uplink if downstream else None
         send, recv = trio.open_memory_channel[tuple[float, bytes]](math.inf)
 
         async def writer() -> None:
@@ -204,23 +205,28 @@ class _Bucket:
             await trio.sleep(-self._tokens * 8 / self.bps)
 
 
-class _Pacer:
-    """A link of `bps`: ``take(n)`` waits until the link is free (it sends one take at a
-    time, in the order they came, each for ``n * 8 / bps`` seconds) and returns when the
-    n bytes have gone through it."""
+class Uplink:
+    """A link of `bps` shared by proxies (link mode): ``take(n)`` lets one read through
+    at a time, in the order they came, once the link has had time to send it (a token
+    bucket of four reads, so the scheduler's wake-up delays are not lost bandwidth)."""
 
-    def __init__(self, bps: float) -> None:
-        self.bps = bps
-        self._free_at = 0.0
+    def __init__(self, bps: float, burst: int = 4 * 16384) -> None:
+        self.bps, self.burst = bps, burst
+        self._tokens = float(burst)
+        self._at: float | None = None
         self._lock = trio.Lock()
 
     async def take(self, n: int) -> float:
+        """Wait for `n` bytes' turn; returns when they have gone through the link."""
         async with self._lock:  # FIFO: waiting connections get the link in turn
             now = trio.current_time()
-            start = max(now, self._free_at)
-            self._free_at = start + n * 8 / self.bps
-            await trio.sleep_until(self._free_at)
-            return self._free_at
+            if self._at is not None:
+                self._tokens = min(self.burst, self._tokens + (now - self._at) * self.bps / 8)
+            self._at = now
+            self._tokens -= n
+            if self._tokens < 0:
+                await trio.sleep(-self._tokens * 8 / self.bps)
+            return trio.current_time()
 
 
 def _linger0(stream: trio.SocketStream) -> None:
