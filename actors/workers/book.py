@@ -37,16 +37,20 @@ class TaskBook:
     held: dict[int, Held] = field(default_factory=dict)
     requeued: deque[tuple[int, Any]] = field(default_factory=deque)
     reruns: int = 0
-    """Tasks handed out again after their worker was lost."""
+    """Tasks requeued (to be handed out again) after their worker was lost or gave them up."""
 
     def next_index(self) -> tuple[int, Any]:
-        """The next task to hand out: ``(index, task)`` of a requeued one (its task
-        known), else ``(index, None)`` for the cursor's next number (the caller looks its
-        task up, then calls `hold` or `exhausted`)."""
+        """The next task to hand out: ``(index, task)`` of a requeued one, else ``(index,
+        None)`` for the cursor's next number (the caller looks its task up, then calls
+        `hold`, `exhausted` or `put_back`)."""
         if self.requeued:
-            self.reruns += 1
             return self.requeued.popleft()
         return self.cursor.take(), None
+
+    def put_back(self, index: int, task: Any = None) -> None:
+        """A task taken with `next_index` but never held (its worker went away while its
+        task was being looked up): it is the next one handed out."""
+        self.requeued.appendleft((index, task))
 
     def hold(self, index: int, task: Any, group_id: str, worker: str) -> Held:
         if index in self.held:
@@ -83,6 +87,7 @@ class TaskBook:
             return None
         del self.held[index]
         self.requeued.append((index, h.task))
+        self.reruns += 1
         return h
 
     def lost(self, worker: str) -> list[Held]:

@@ -139,7 +139,11 @@ class Hub:
                     continue
                 index, task = self.book.next_index()
                 if task is None:
-                    task = await self._task_of(index)
+                    try:
+                        task = await self._task_of(index)
+                    except BaseException:  # the worker went away meanwhile: the next one gets it
+                        self.book.put_back(index)
+                        raise
                     if task is None:
                         self.book.exhausted(index)
                         self.source_exhausted = True

@@ -95,3 +95,14 @@ def test_every_task_finishes_exactly_once_whatever_workers_do(evs):
     taken = book.cursor.next
     assert sorted(finished) == list(range(taken))  # nothing lost
     assert book.cursor.state() == CursorState(floor=taken)
+
+
+def test_a_task_put_back_before_it_was_held_goes_out_next_and_is_not_a_rerun():
+    book = TaskBook(TaskCursor())
+    index, task = book.next_index()
+    assert task is None
+    book.put_back(index)
+    assert _take(book, "a") == 0 and book.reruns == 0  # the same number, looked up again
+    assert _take(book, "a") == 1
+    assert book.finish(0, "a") and book.finish(1, "a")
+    assert book.cursor.state() == CursorState(floor=2)
