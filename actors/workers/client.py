@@ -221,14 +221,18 @@ async def serve_once(cfg: WorkerClientConfig, *, instance_id: str, log: Any = No
             shipped = codec.decode(await ws.get_message())
         if not isinstance(shipped, w.HarnessShipped):
             raise JoinRefused(f"expected HarnessShipped after the welcome, got {type(shipped).__name__}")
-        try:
+        try:  # what this host cannot use is said once, and not retried (exit 3)
             harness = open_harness(shipped, reply.harness_key, secure=cfg.secure)
-        except UnsafeHarness as exc:
+            if not _PLAIN_NAME.fullmatch(reply.run_id) or reply.run_id in (".", ".."):
+                raise ValueError(f"the daemon's run id {reply.run_id!r} is not a plain name")
+            try:
+                settings = msgspec.msgpack.decode(reply.settings, type=RemoteWorkersConfig)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise ValueError(f"the daemon's worker settings do not decode here ({exc}): is fleetrl on this "
+                                 "host the daemon's release?") from None
+        except (UnsafeHarness, ValueError) as exc:
             await ws.send_message(codec.encode(m.Leave(sampler_id=reply.worker_id, reason=str(exc)[:200])))
             raise JoinRefused(str(exc)) from None
-        if not _PLAIN_NAME.fullmatch(reply.run_id) or reply.run_id in (".", ".."):
-            raise JoinRefused(f"the daemon's run id {reply.run_id!r} is not a plain name")
-        settings = msgspec.msgpack.decode(reply.settings, type=RemoteWorkersConfig)
         settings = msgspec.structs.replace(settings, atif=False)
         tok_dir = write_tokenizer_files(reply.tokenizer, Path(cfg.state_dir) / "tokenizer" / reply.run_id)
         tokenizer = await trio.to_thread.run_sync(HFChatTokenizer.from_pretrained, str(tok_dir))

@@ -7,7 +7,7 @@ with an issued worker token, receive a harness of the user's own code pickled by
 SIGKILL of one worker process while it holds tasks: its tasks go to the other worker,
 every task's group reaches the trainer exactly once (ids ``<task>#<number>@remote``), and
 the killed worker's containers are removed by its reaper. A plain ws:// worker refuses the
-pickled harness; a sampler token is refused; revoking the worker token ends the live worker."""
+pickled harness, and a harness by import path that its host lacks, before any task; a sampler token is refused; revoking the worker token ends the live worker."""
 
 from __future__ import annotations
 
@@ -201,13 +201,17 @@ async def test_a_killed_worker_s_tasks_finish_on_another_exactly_once_and_leave_
             sup.request_shutdown("test")
 
 
-async def test_a_worker_on_plain_ws_refuses_a_pickled_harness(
-        tmp_path, tiny_model_dir, actors_module, workers, user_harness):
+@pytest.mark.parametrize(("ship", "refusal"), [
+    ("auto", "this connection is not TLS"),  # pickled by value: never over plain ws://
+    ("import", "cannot be loaded: No module named 'acme_harness'"),  # by import path: the host lacks it
+])
+async def test_a_worker_refuses_a_harness_it_may_not_or_cannot_load(
+        tmp_path, tiny_model_dir, actors_module, workers, user_harness, ship, refusal):
     actors_module("workers_test_actors", "RECEIVED")
-    certs = make_ca(tmp_path / "ca")
+    text = _config(tmp_path, tiny_model_dir, None, tls=False).replace(
+        "group_size = ", f'ship_harness = "{ship}"\ngroup_size = ')
     state = StateDir(tmp_path / "state").open()
-    sup = Supervisor(load_config_text(_config(tmp_path, tiny_model_dir, certs, tls=False), source="test.toml"),
-                     state, rng=random.Random(0))
+    sup = Supervisor(load_config_text(text, source="test.toml"), state, rng=random.Random(0))
     _, token = CredentialStore(state.path).create("worker")
     with state, trio.fail_after(300):
         async with trio.open_nursery() as n:
@@ -216,8 +220,9 @@ async def test_a_worker_on_plain_ws_refuses_a_pickled_harness(
             _, port = read_control(state.path)
             plain = workers.start("plain", f"ws://127.0.0.1:{port}/workers/join", token)
             assert await trio.to_thread.run_sync(plain.wait) == 3
-            assert "not TLS" in workers.log("plain")
+            assert refusal in workers.log("plain")
             assert hub.statistics().tasks_assigned == 0  # it left before any task went out
+            assert hub.statistics().workers == 0
             sup.request_shutdown("test")
 
 
