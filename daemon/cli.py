@@ -117,7 +117,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     except httpx.HTTPError as exc:
         _err(f"cannot reach the daemon at {base}: {exc}")
         return ExitCode.UNREACHABLE
-    print(json.dumps(body, indent=2, sort_keys=True))
+    if args.json:
+        print(json.dumps(body, indent=2, sort_keys=True))
+    else:
+        from .status_table import render_status
+
+        print(render_status(body))
     return ExitCode.OK
 
 
@@ -236,9 +241,10 @@ def build_parser(*, load_groups: bool = True, groups: Iterable[EntryPoint] | Non
                    help="state directory (overrides [daemon] state_dir)")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("status", help="print the running daemon's /status JSON")
+    p = sub.add_parser("status", help="show the running daemon's state: run, checkpoint, each actor (--json: /status)")
     p.add_argument("--state-dir", metavar="DIR", default=DEFAULT_STATE_DIR)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    p.add_argument("--json", action="store_true", help="print the /status body as JSON")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("stop", help="gracefully stop the running daemon and wait for it")

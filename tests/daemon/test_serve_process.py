@@ -164,7 +164,13 @@ def test_second_signal_forces_exit_4(daemons):
 def test_status_and_stop_commands(daemons, fleetrl_bin, subprocess_env):
     d = daemons().start()
     d.wait_log("daemon running")
-    st = subprocess.run([fleetrl_bin, "status", "--state-dir", str(d.state)],
+    table = subprocess.run([fleetrl_bin, "status", "--state-dir", str(d.state)],
+                           env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    first, header, *rows = table.stdout.splitlines()
+    assert first.startswith("run ") and header.split()[:2] == ["ACTOR", "STATE"]
+    assert any(r.split()[:2] == ["worker", "running"] for r in rows), table.stdout
+    st = subprocess.run([fleetrl_bin, "status", "--json", "--state-dir", str(d.state)],
                         env=subprocess_env, capture_output=True, text=True, timeout=60)
     assert st.returncode == 0, st.stderr
     body = json.loads(st.stdout)

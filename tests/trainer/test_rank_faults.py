@@ -48,7 +48,7 @@ config = {{path = "{feed}", interval_s = 0.6}}
 
 
 def _status(fleetrl: str, state: Path, env: dict) -> dict:
-    out = subprocess.run([fleetrl, "status", "--state-dir", str(state)], env=env, capture_output=True, text=True,
+    out = subprocess.run([fleetrl, "status", "--json", "--state-dir", str(state)], env=env, capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
