@@ -65,6 +65,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         configure_logging(level=cfg.logging.level, fmt=cfg.logging.format, run_id=state.run_id,
                           log_dir=state.logs if cfg.logging.file else None, console=cfg.logging.console)
+        if cfg.logging.console == "warnings":  # a person watches progress lines: say where the rest goes
+            where = f"; every log line: {state.logs / 'daemon.jsonl'}" if cfg.logging.file else ""
+            _err(f"run {state.run_id} starting {len(cfg.actors)} actors in {state.path}{where}")
         sup = Supervisor(cfg, state)
         code = trio.run(sup.run)
         if sup.escalation is not None:

@@ -62,6 +62,21 @@ def _say(enabled: bool, line: str) -> None:
         tqdm.write(line, file=sys.stderr)
 
 
+def _headline(report_dir: Path) -> list[str]:
+    """The run's headline figures from the report's summary.json (none if unreadable)."""
+    import msgspec
+
+    from fleetrl.actors.report.headline import headline
+    from fleetrl.actors.report.report import SUMMARY_FILE
+    from fleetrl.actors.report.summary import Summary
+
+    try:
+        summary = msgspec.json.decode((report_dir / SUMMARY_FILE).read_bytes(), type=Summary)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return []
+    return headline(summary)
+
+
 class _Evaluator:
     """The evaluator's state and work; also its handle (`statistics`)."""
 
@@ -170,6 +185,8 @@ class _Evaluator:
             _say(self.cfg.progress, f"report not written: {type(exc).__name__}: {exc}")
             return
         self.ctx.log.info("report written", path=str(page))
+        for line in _headline(page.parent):
+            _say(self.cfg.progress, line)
         _say(self.cfg.progress, f"report: {page}")
 
 

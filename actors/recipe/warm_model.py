@@ -261,7 +261,8 @@ def _fsync_tree(directory: Path) -> None:
         os.close(fd)
 
 
-def _build(final: Path, key: str, family: str, recipe: WarmRecipe, log: Callable[[str], None]) -> None:
+def _build(final: Path, key: str, family: str, recipe: WarmRecipe, log: Callable[[str], None],
+           on_step: Callable[[int, int, float], None] | None = None) -> None:
     """Train the warm model and move it into `final` atomically (caller holds the lock)."""
     parent = final.parent
     for stale in parent.glob(f".{final.name}.*"):  # work dirs left by a build that crashed
@@ -273,6 +274,8 @@ def _build(final: Path, key: str, family: str, recipe: WarmRecipe, log: Callable
         steps = recipe.warmup.steps if recipe.stop_after is None else recipe.stop_after
 
         def progress(step: int, loss: float) -> None:
+            if on_step is not None:
+                on_step(step + 1, steps, loss)
             if step == 0 or (step + 1) % 25 == 0 or step + 1 == steps:
                 log(f"warm-up step {step + 1}/{steps}: completion loss {loss:.3f}")
 
@@ -321,12 +324,14 @@ def ensure_warm_model(
     *,
     log: Callable[[str], None] | None = None,
     threads: int | None = None,
+    on_step: Callable[[int, int, float], None] | None = None,
 ) -> Path:
     """The directory of the warm model of `recipe` under `cache_dir`, built if absent.
 
     Reuses `cache_dir/warm-<key>` when `check_warm_dir` accepts it; otherwise trains
     the model and writes it there atomically (replacing an invalid directory).
-    `log` receives progress lines (default: none). `threads` sets torch's intra-op
+    `log` receives progress lines (default: none); `on_step(done, steps, loss)` is called
+    after every warm-up step of a build (a progress bar). `threads` sets torch's intra-op
     threads for the build (None: as configured); on a CPU shared with samplers and
     sandboxes, 1 thread is often faster than oversubscribing the cores. The thread
     count is not part of the cache key: it can change the last bits of the weights,
@@ -350,7 +355,7 @@ def ensure_warm_model(
         else:
             say(f"building the warm model (cache key {key})")
         with _torch_threads(threads):
-            _build(final, key, family, recipe, say)
+            _build(final, key, family, recipe, say, on_step)
         why = check_warm_dir(final, key)
         if why is not None:  # pragma: no cover - would be a bug in _build
             raise RuntimeError(f"the freshly built warm model does not pass its check: {why}")

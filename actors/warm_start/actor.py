@@ -12,8 +12,9 @@ and idles until the daemon drains.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
-from typing import Never
+from typing import Any, Never
 
 import msgspec
 import trio
@@ -45,6 +46,34 @@ class WarmStartHandle:
         return WarmStartStatistics(model_dir=str(self.model_dir), seconds=round(self.seconds, 3))
 
 
+class _Bar:
+    """The warm-up's progress bar on stderr (nothing when `enabled` is false)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._bar: Any = None
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+
+            tqdm.write(line, file=sys.stderr)
+
+    def step(self, done: int, steps: int, loss: float) -> None:  # from the build's thread
+        if not self.enabled:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=steps, desc="warm-up", unit="step", file=sys.stderr, dynamic_ncols=True)
+        self._bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 def point_link(link: Path, target: Path) -> None:
     """Make ``link`` a symlink to ``target`` (absolute), atomically: a temporary link
     renamed over it. A real directory or file at ``link`` is refused (never deleted)."""
@@ -66,19 +95,23 @@ def point_link(link: Path, target: Path) -> None:
 async def run(cfg: WarmStartConfig, ctx: ActorContext, *,
               task_status: trio.TaskStatus[WarmStartHandle] = trio.TASK_STATUS_IGNORED) -> None:
     """Ensure the warm model, point the link at it, start, idle until drained."""
-    lines: list[str] = []
+    bar = _Bar(cfg.progress)
 
     def say(line: str) -> None:
-        lines.append(line)
         ctx.log.info("warm start", detail=line)
+        if line.startswith(("warm model found", "building", "rebuilding")):
+            bar.say(f"warm start: {line}")
 
     ctx.log.info("ensuring the warm model", cache_dir=cfg.cache_dir, steps=cfg.recipe.warmup.steps)
     t0 = trio.current_time()
     # abandoned when cancelled (grace deadline of a shutdown during the build): the build
     # is atomic and locked, so an unfinished one leaves nothing a later start would trust
-    path = await trio.to_thread.run_sync(
-        lambda: ensure_warm_model(cfg.cache_dir, cfg.recipe, log=say, threads=cfg.threads),
-        abandon_on_cancel=True)
+    try:
+        path = await trio.to_thread.run_sync(
+            lambda: ensure_warm_model(cfg.cache_dir, cfg.recipe, log=say, threads=cfg.threads, on_step=bar.step),
+            abandon_on_cancel=True)
+    finally:
+        bar.close()
     await trio.to_thread.run_sync(point_link, Path(cfg.link), path)
     ctx.report_version("model", path.name)
     seconds = trio.current_time() - t0

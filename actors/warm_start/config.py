@@ -20,6 +20,9 @@ class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """The recipe (default: `DEFAULT_RECIPE`); any field may be overridden in the TOML."""
     threads: int = 1
     """torch intra-op threads for the build (1 is fastest on a CPU shared with samplers)."""
+    progress: bool = False
+    """Show the warm-up on the terminal: whether the model came from the cache, else a
+    progress bar of its steps with the loss (stderr)."""
 
     def __post_init__(self) -> None:
         for name in ("cache_dir", "link"):

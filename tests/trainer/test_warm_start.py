@@ -72,3 +72,36 @@ async def test_builds_links_and_reports_started(tmp_path):
             assert sup.status()["actors"]["warm_start"]["versions"]["model"] == link.resolve().name
             sup.request_shutdown("test")
 
+
+
+def test_the_terminal_shows_the_run_the_warm_up_steps_and_the_cache(tmp_path, fleetrl_bin):
+    """`fleetrl serve` with ``console = "warnings"`` and ``progress = true``: the first line
+    names the run and where the log goes; the warm-up shows a bar of its steps with the
+    loss; the next start says the cache had the model."""
+    import subprocess
+    import time
+
+    cfg = tmp_path / "warm.toml"
+    cfg.write_text(_config(tmp_path, 6).replace("[http]", '[logging]\nconsole = "warnings"\n[http]')
+                   + "progress = true\n")
+    state = tmp_path / "state"
+    log = state / "logs" / "daemon.jsonl"
+    for start in ("first", "second"):
+        proc = subprocess.Popen([fleetrl_bin, "serve", "--config", str(cfg), "--state-dir", str(state)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with proc:
+            first_line = proc.stderr.readline()
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and (not log.exists() or log.read_text().count('"daemon running"')
+                                                    < (1 if start == "first" else 2)):
+                time.sleep(0.2)
+            proc.terminate()
+            rest = proc.stderr.read()
+            assert proc.wait(60) == 0, rest
+        assert first_line.startswith("fleetrl: run run-") and "starting 1 actors" in first_line, first_line
+        assert f"every log line: {log}" in first_line
+        if start == "first":
+            assert "warm start: building the warm model" in rest, rest
+            assert "warm-up: 100%" in rest and "6/6" in rest and "loss=" in rest, rest
+        else:
+            assert "warm start: warm model found in cache" in rest and "warm-up:" not in rest, rest
