@@ -98,6 +98,34 @@ def fair_rates(up: np.ndarray, down: np.ndarray, src: np.ndarray, dst: np.ndarra
     return rate
 
 
+def _cache_timing(fleet: Fleet, parent: list[int], kind: list[str], rtt: np.ndarray, sync_until: np.ndarray,
+                  holder: np.ndarray, streamed: np.ndarray, lock: bool) -> None:
+    """Strategy cache (edges indexed by child - 1): the samplers' sync through their cache,
+    and when the cache starts; with nginx's lock (`lock`) which sampler holds it and which
+    transfers are one streamed response (`Fleet.cache_lock_poll_s`)."""
+    local = fleet.local_rtt_ms / 1e3
+    poll, k, s = fleet.cache_lock_poll_s, fleet.cache_origin_round_trips, fleet.sync_round_trips
+    for cache in (i for i, kd in enumerate(kind) if kd == "cache"):
+        wan = float(rtt[cache - 1])  # the cache's round trip to the origin
+        via_origin = local + k * wan  # a request the cache passes to the origin
+        samplers = [c for c in range(1, len(parent)) if parent[c] == cache]
+        for j, c in enumerate(samplers):
+            if s == 0:
+                continue
+            if lock and j > 0:  # the manifest: the first sampler's miss fills it, the others poll
+                miss = local + poll * max(1, math.ceil(k * wan / poll - 1e-9))
+            else:
+                miss = via_origin
+            sync_until[c - 1] = via_origin + (s - 1) * miss  # the pointer, then the blobs
+        # the cache passes a request on at once; extra round trips (a new connection) first
+        first_ask = sync_until[samplers[0] - 1] + local / 2 if lock and samplers else 0.0
+        sync_until[cache - 1] = first_ask + (k - 1) * wan
+        if lock and samplers:
+            holder[samplers[0] - 1] = True
+            streamed[cache - 1] = True
+            streamed[[c - 1 for c in samplers]] = True
+
+
 def simulate(fleet: Fleet, strategy: Strategy, delta_bytes: float, *, seed: int = 0,
              max_events: int = 2_000_000) -> SimResult:
     """How version v+1 (a delta of `delta_bytes`) spreads from the origin to every sampler."""
@@ -117,7 +145,10 @@ def simulate(fleet: Fleet, strategy: Strategy, delta_bytes: float, *, seed: int 
             up[i] = down[i] = c.cache_gbps * _GBIT
         else:
             up[i] = down[i] = c.gbps * _GBIT
-    sizes = chunks_of(delta_bytes, max(fleet.chunk_mib, delta_bytes / MAX_CHUNKS / (1 << 20)))
+    lock = strategy == "cache" and fleet.cache_lock_poll_s > 0
+    # nginx streams one response per blob: fine chunks stand for its pipelining
+    fine = delta_bytes / MAX_CHUNKS / (1 << 20)
+    sizes = chunks_of(delta_bytes, fine if lock else max(fleet.chunk_mib, fine))
     n_chunks = len(sizes)
     # one edge per non-origin node: its transfer from its parent
     child = np.arange(1, n)
@@ -132,6 +163,11 @@ def simulate(fleet: Fleet, strategy: Strategy, delta_bytes: float, *, seed: int 
     # a sampler reads the version pointer and the manifest before its first request
     sync_until = np.array([fleet.sync_round_trips * r if kind[c] == "sampler" else 0.0
                            for r, c in zip(rtt.tolist(), child.tolist(), strict=True)])
+    holder = np.zeros(n - 1, dtype=bool)  # a cloud's first sampler behind its cache
+    streamed = np.zeros(n - 1, dtype=bool)  # one response: chunks after the first cost no round trip
+    if strategy == "cache":
+        _cache_timing(fleet, parent, kind, rtt, sync_until, holder, streamed, lock)
+    local_s = fleet.local_rtt_ms / 1e3
     fail_gb = np.array([max(clouds[cloud[p]].failure_per_gb, clouds[cloud[c]].failure_per_gb)
                         for p, c in zip(src.tolist(), child.tolist(), strict=True)])
     held = np.zeros(n, dtype=np.int64)  # chunks each node holds (in order)
@@ -154,9 +190,19 @@ def simulate(fleet: Fleet, strategy: Strategy, delta_bytes: float, *, seed: int 
     def request(e: int, t: float) -> None:
         """Edge e asks for its next chunk if the parent holds it."""
         if nxt[e] < n_chunks and held[src[e]] > nxt[e] and not moving[e] and not np.isfinite(ready[e]):
+            waiter = lock and kind[src[e]] == "cache" and not holder[e]
+            if waiter and held[src[e]] < n_chunks:
+                return  # nginx's lock: the cache serves it the whole delta or nothing
             remaining[e] = sizes[nxt[e]]
             breaks_at[e] = draw_break(e, remaining[e])
-            ready[e] = max(t, sync_until[e]) + rtt[e]
+            if streamed[e] and nxt[e] > 0:
+                ready[e] = t
+            elif waiter and done_at[src[e]] > (arrive := sync_until[e] + local_s / 2):
+                # it asked while the cache was filling: it re-checks every poll from its request
+                waits = max(1, math.ceil((done_at[src[e]] - arrive) / fleet.cache_lock_poll_s - 1e-9))
+                ready[e] = max(t, arrive + waits * fleet.cache_lock_poll_s + local_s / 2)
+            else:
+                ready[e] = max(t, sync_until[e]) + rtt[e]
 
     t = 0.0
     for e in range(n - 1):

@@ -60,8 +60,24 @@ class Fleet(msgspec.Struct, frozen=True, kw_only=True):
     apply_gbps: float = 16.0
     """How fast a sampler applies a delta once it holds it (Gbit/s of delta)."""
     sync_round_trips: int = 0
-    """Round trips a sampler spends from publication before its first chunk request,
-    over the same path (fleetrl's follower reads the version pointer and the manifest: 2)."""
+    """Requests a sampler makes from publication before its first chunk request, one
+    round trip each over the same path (fleetrl's follower reads the version pointer and
+    the manifest: 2). Behind a cache (strategy ``cache``) the first, the version pointer,
+    is never cached: it goes through the cache to the origin (``local_rtt_ms`` plus
+    ``cache_origin_round_trips`` of the cloud's round trips); the others (the manifest,
+    a blob) are cache misses: the same for the cloud's first sampler, a lock wait for the
+    others when ``cache_lock_poll_s`` > 0."""
+    cache_lock_poll_s: float = 0.0
+    """Strategy ``cache``. 0: an ideal cache, fetching from publication and forwarding each
+    chunk to all its samplers as soon as it holds it. > 0: nginx with ``proxy_cache_lock``
+    (fleetrl's documented cache; nginx: 0.5): the cloud's first sampler's request makes the
+    cache fetch the delta in one streamed response, which that sampler receives as it
+    arrives; the cloud's other samplers wait for the whole delta, re-checking every
+    ``cache_lock_poll_s`` from their request, then stream it from the cache."""
+    cache_origin_round_trips: int = 1
+    """Strategy ``cache``: round trips of a request the cache passes to the origin (2 when
+    each opens a new TCP connection, as nginx does without upstream keepalive; 3-4 with
+    TLS)."""
 
     def __post_init__(self) -> None:
         if not self.clouds or not 0 <= self.origin < len(self.clouds):
@@ -72,6 +88,8 @@ class Fleet(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("relay_fanout must be >= 1")
         if self.sync_round_trips < 0:
             raise ValueError("sync_round_trips must be >= 0")
+        if self.cache_lock_poll_s < 0 or self.cache_origin_round_trips < 1:
+            raise ValueError("cache_lock_poll_s must be >= 0 and cache_origin_round_trips >= 1")
 
     @property
     def samplers(self) -> int:

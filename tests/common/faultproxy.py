@@ -24,7 +24,10 @@ is in flight. ``bandwidth_bps`` then caps each connection with a token bucket (i
 while the connection waits for the uplink, so the two caps do not add up), and ``uplink``
 caps the downstream of all connections of all proxies that share it (a trainer's uplink),
 handed out one read at a time in turn, so connections share it max-min fairly. Link mode
-forwards cleanly: it takes no plans.
+forwards cleanly: it takes no plans. ``handshake=True`` (link mode) also charges a new
+connection its TCP handshake over the link: one round trip (``2 * delay_s``) before its
+first byte goes through (the proxy itself accepts at once, so without it a connection
+opened per request, as nginx opens to its upstream, would cost no round trip).
 """
 
 from __future__ import annotations
@@ -52,14 +55,17 @@ class Plan:
 class FaultProxy:
     def __init__(self, upstream_host: str, upstream_port: int, *, latency_s: float = 0.0,
                  bandwidth_bps: float | None = None, listen_host: str = "127.0.0.1",
-                 delay_s: float = 0.0, uplink: Uplink | None = None) -> None:
+                 delay_s: float = 0.0, uplink: Uplink | None = None, handshake: bool = False) -> None:
         if (delay_s or uplink) and latency_s:
             raise ValueError("latency_s is not a link-mode option: give delay_s instead")
+        if handshake and not delay_s:
+            raise ValueError("handshake is a link-mode option: it needs delay_s")
         self.upstream = (upstream_host, upstream_port)
         self.latency_s = latency_s
         self.bandwidth_bps = bandwidth_bps
         self.delay_s = delay_s
         self.uplink = uplink
+        self.handshake = handshake
         self._link_mode = bool(delay_s or uplink)
         self.listen_host = listen_host
         self._plans: deque[Plan] = deque()
@@ -92,6 +98,8 @@ class FaultProxy:
     async def _handle(self, client: trio.SocketStream) -> None:
         self.connections += 1
         plan = self._plans.popleft() if self._plans else Plan()
+        if self.handshake:  # SYN, SYN-ACK over the link; the client's first bytes wait in its socket
+            await trio.sleep(2 * self.delay_s)
         try:
             upstream = await trio.open_tcp_stream(*self.upstream)
         except OSError:
