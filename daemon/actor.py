@@ -203,6 +203,11 @@ class ActorContext:
     def report_version(self, key: str, value: Any) -> None:
         self._kernel.report_version(self.name, key, value)
 
+    def daemon_status(self) -> dict[str, Any]:
+        """The daemon's ``/status`` body (run, phase, checkpoint, every actor's state,
+        restarts, last error, reports and statistics), as `fleetrl status` shows it."""
+        return self._kernel.status()
+
     # -- asking the kernel ----------------------------------------------------------
     def request_shutdown(self, reason: str) -> None:
         """Begin the daemon's graceful shutdown (the same path as SIGTERM; idempotent).

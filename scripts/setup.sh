@@ -4,7 +4,7 @@
 #      extras (torch by pip from the machine's CPU wheel, the rest by uv from its shared
 #      cache);
 #   2. a running Docker engine (installs docker.io and debootstrap when missing), and
-#      nginx for the tests (not started);
+#      nginx and chromium for the tests (not started);
 #   3. the sandbox base image (built from a Debian root filesystem, cached by recipe).
 # Each step is skipped when its stamp or probe says it is already in place.
 set -euo pipefail
@@ -77,6 +77,12 @@ if ! command -v nginx >/dev/null 2>&1 && [[ ! -x /usr/sbin/nginx ]]; then
     log "installing nginx (the weight fan-out tests' cache)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get install -y -qq nginx-light >/dev/null 2>&1 || { apt-get update -qq; apt-get install -y -qq nginx-light >/dev/null; }
+fi
+# chromium: the headless browser of the dashboard tests (tests/dashboard/test_browser.py)
+if ! command -v chromium >/dev/null 2>&1; then
+    log "installing chromium (the dashboard tests' browser)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq; apt-get install -y -qq chromium >/dev/null; }
 fi
 
 # --- 3. sandbox image (cached by recipe hash; a no-op when unchanged) ----------

@@ -66,7 +66,7 @@ from fleetrl.daemon.streams import stream_or_once
 from .errors import SamplerLost
 from .local import LocalSampler, SamplerHandle
 from .pacing import Admission, Pacer
-from .registry import Registry
+from .registry import Registry, SamplerRow, sampler_rows
 from .routing import AffinityTable, Bounds, policy_named, prompt_key, with_affinity
 
 __all__ = ["PacedAttempt", "PoolStatistics", "SamplerPool"]
@@ -99,6 +99,16 @@ class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Times a stale-group report made the pool re-send the newest version to its followers."""
     mismatch_reports: int = 0
     """Mismatch measurements the trainer sent (`SamplerMismatch`)."""
+    samplers: tuple[SamplerRow, ...] = ()
+    """Every sampler the pool knows, live or not: backend, device, dtype, version, queue,
+    tokens per second, dollars per 1k tokens, mismatch, health (`registry.SamplerRow`)."""
+
+
+def _trio_now() -> float | None:
+    try:
+        return trio.current_time()
+    except RuntimeError:  # read from outside Trio: rates up to the last finished request
+        return None
 
 
 class PacedAttempt:
@@ -159,7 +169,8 @@ class SamplerPool:
                               attempts_in_flight=self.pacer.in_flight, attempts_waiting=self.pacer.waiting,
                               stale_reports=self.stale_reports, stale_by_reason=dict(self.stale_by_reason),
                               pacing_allowance=self.pacer.allowance, resyncs=self.resyncs,
-                              mismatch_reports=self.mismatch_reports)
+                              mismatch_reports=self.mismatch_reports,
+                              samplers=sampler_rows(self.registry.records(), self.trainer_version, _trio_now()))
 
     # -- membership ---------------------------------------------------------------------
     def add(self, handle: SamplerHandle, identity: m.SamplerIdentity, *, price_per_hour: float,

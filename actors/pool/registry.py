@@ -22,14 +22,17 @@ Time is passed in (``now``), so the bookkeeping is testable without a clock.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+import msgspec
 
 from fleetrl.daemon.messages import MismatchFigures, SamplerIdentity
 
 from .routing import SamplerView
 from .errors import UnknownSampler
 
-__all__ = ["Registry", "SamplerRecord", "UnknownSampler"]
+__all__ = ["Registry", "SamplerRecord", "SamplerRow", "UnknownSampler", "sampler_rows"]
 
 
 
@@ -235,3 +238,44 @@ class Registry:
     def oldest_live_version(self) -> int | None:
         live = [r.version for r in self._records.values() if r.alive]
         return min(live) if live else None
+
+
+class SamplerRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One sampler as /status shows it (the pool's statistics: ``samplers``)."""
+
+    sampler: str
+    backend: str
+    device: str
+    dtype: str
+    remote: bool
+    version: int
+    lag: int
+    """The trainer's version minus the sampler's."""
+    queue: int
+    """Requests assigned and not answered."""
+    capacity: int
+    tokens: int
+    failures: int
+    health: str
+    """``up`` while live, else ``down``."""
+    tokens_per_s: float | None = None
+    """Generated tokens per busy second (None: nothing generated yet)."""
+    usd_per_1k_tokens: float | None = None
+    mismatch_kl: float | None = None
+    """The trainer's latest k3 KL of this sampler's tokens (None: none measured yet)."""
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
+
+
+def sampler_rows(records: list[SamplerRecord], trainer_version: int, now: float | None) -> tuple[SamplerRow, ...]:
+    """The `records` as rows, by sampler id; `now` (Trio time) for the rates (None: up to
+    the last finished request)."""
+    return tuple(SamplerRow(
+        sampler=r.sampler_id, backend=r.identity.backend, device=r.identity.device_kind, dtype=r.identity.dtype,
+        remote=r.remote, version=r.version, lag=trainer_version - r.version, queue=r.assigned, capacity=r.capacity,
+        tokens=r.tokens, failures=r.failures, health="up" if r.alive else "down",
+        tokens_per_s=_finite(r.tokens_per_s(now)), usd_per_1k_tokens=_finite(r.usd_per_1k_tokens(now)),
+        mismatch_kl=_finite(r.mismatch.kl_k3) if r.mismatch is not None else None,
+    ) for r in sorted(records, key=lambda r: r.sampler_id))

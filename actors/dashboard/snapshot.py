@@ -1,0 +1,126 @@
+"""What the dashboard shows, computed from the daemon's own records (pure).
+
+`Series` keeps the charted figures of the trainer's metrics rows (a bounded window);
+`eval_points` the held-out pass@1 with its interval per split; `fleet_of` the samplers
+as /status reports them; `event_of` picks the log lines worth showing (restarts,
+failures, requeues, lost samplers, retokenization breaks, warnings). `snapshot` puts
+them together with the /status body into the one JSON object every page receives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["CHARTS", "EVENT_NAMES", "Series", "eval_points", "event_of", "fleet_of", "snapshot"]
+
+CHARTS = ("reward_mean", "pass_rate", "grad_norm", "mismatch_kl_k3", "staleness_mean", "delta_ratio",
+          "usd_per_rollout", "loss")
+"""The trainer's figures charted, one point per step (``staleness_mean``: of the step's
+``staleness_hist``; every other is the metrics.jsonl field of that name)."""
+
+EVENT_NAMES = frozenset({
+    "actor crashed", "actor restarted", "actor escalated", "sampler lost", "sampler process exited",
+    "restarting sampler process", "request re-routed", "task requeued", "worker left", "group incomplete: "
+    "too many failed attempts", "attempt failed", "checkpoint written", "shutdown requested", "report written",
+})
+"""Log events shown besides every warning and error."""
+
+
+def _finite(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def staleness_mean(hist: Any) -> float | None:
+    """Mean staleness of a ``staleness_hist`` (``{"0": 5, "2": 3}``), None if empty."""
+    if not isinstance(hist, Mapping):
+        return None
+    total = weight = 0.0
+    for k, n in hist.items():
+        try:
+            total += int(k) * float(n)
+            weight += float(n)
+        except (TypeError, ValueError):
+            return None
+    return total / weight if weight else None
+
+
+class Series:
+    """The charted figures of the last `points` steps (and KL per sampler kind)."""
+
+    def __init__(self, points: int) -> None:
+        self.steps: deque[int] = deque(maxlen=points)
+        self.values: dict[str, deque[float | None]] = {k: deque(maxlen=points) for k in CHARTS}
+        self.kl_by_sampler: dict[str, deque[float | None]] = {}
+        self.points = points
+        self.last: dict[str, Any] = {}
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        step = row.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or (self.steps and step <= self.steps[-1]):
+            return
+        self.steps.append(step)
+        for k in CHARTS:
+            v = staleness_mean(row.get("staleness_hist")) if k == "staleness_mean" else _finite(row.get(k))
+            self.values[k].append(v)
+        kl = row.get("mismatch_kl_by_sampler")
+        kl = kl if isinstance(kl, Mapping) else {}
+        for kind in set(kl) | set(self.kl_by_sampler):
+            q = self.kl_by_sampler.setdefault(kind, deque([None] * (len(self.steps) - 1), maxlen=self.points))
+            q.append(_finite(kl.get(kind)))
+        self.last = {k: row.get(k) for k in ("step", "version", "skipped", "tokens_per_s", "groups", "cost_usd")}
+
+    def as_json(self) -> dict[str, Any]:
+        return {"steps": list(self.steps), **{k: list(v) for k, v in self.values.items()},
+                "kl_by_sampler": {k: list(v) for k, v in sorted(self.kl_by_sampler.items())}, "last": self.last}
+
+
+def eval_points(rows: Iterable[Mapping[str, Any]]) -> dict[str, list[dict[str, float]]]:
+    """Held-out pass@1 per split: ``{split: [{version, pass_at_1, ci_low, ci_high}, ...]}``
+    in version order (a version evaluated again: its latest line)."""
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for r in rows:
+        split, version = r.get("split"), r.get("version")
+        p, lo, hi = (_finite(r.get(k)) for k in ("pass_at_1", "ci_low", "ci_high"))
+        if not isinstance(split, str) or not isinstance(version, int) or None in (p, lo, hi):
+            continue
+        out.setdefault(split, {})[version] = {"version": version, "pass_at_1": p, "ci_low": lo, "ci_high": hi}
+    return {s: [v[k] for k in sorted(v)] for s, v in sorted(out.items())}
+
+
+def fleet_of(status: Mapping[str, Any], pool: str | None) -> list[dict[str, Any]]:
+    """The samplers of the pool actor `pool` as /status reports them (its statistics'
+    ``samplers``: `actors.pool.registry.SamplerRow`); none without a pool."""
+    stats = ((status.get("actors") or {}).get(pool) or {}).get("statistics") if pool else None
+    rows = stats.get("samplers") if isinstance(stats, Mapping) else None
+    return [dict(r) for r in rows if isinstance(r, Mapping)] if isinstance(rows, (list, tuple)) else []
+
+
+def event_of(line: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A log line worth showing as an event (see `EVENT_NAMES`), trimmed; else None."""
+    event, level = line.get("event"), line.get("level")
+    if not isinstance(event, str) or not (level in ("warning", "error", "critical") or event in EVENT_NAMES):
+        return None
+    keep = {k: v for k, v in line.items() if k not in ("event", "level", "timestamp", "run_id")
+            and isinstance(v, (str, int, float, bool)) and len(str(v)) <= 300}
+    return {"time": line.get("timestamp"), "level": level, "event": event, "actor": keep.pop("actor", None),
+            "detail": keep}
+
+
+def snapshot(status: Mapping[str, Any], series: Series, evals: Mapping[str, Any], fleet: list[dict[str, Any]],
+             events: Iterable[Mapping[str, Any]], *, seq: int) -> dict[str, Any]:
+    """The JSON object sent to every page at each refresh."""
+    actors = status.get("actors") or {}
+    return {
+        "seq": seq,
+        "run": {k: status.get(k) for k in ("run_id", "phase", "paused", "draining", "uptime_s", "checkpoint")},
+        "actors": {name: {"state": a.get("state"), "restarts": a.get("restarts"), "last_error": a.get("last_error"),
+                          "versions": a.get("versions"), "statistics": a.get("statistics")}
+                   for name, a in actors.items()},
+        "series": series.as_json(),
+        "evals": evals,
+        "fleet": fleet,
+        "events": list(events),
+    }
