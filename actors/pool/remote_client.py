@@ -40,7 +40,7 @@ from .batcher import Batcher
 from .local import WeightSync
 from .errors import JoinRefused, PoolError, SamplerLost
 
-__all__ = ["JoinRefused", "RemoteClientConfig", "build_backend", "connect", "ended_by", "keep_connected", "run_remote",
+__all__ = ["JoinRefused", "RemoteClientConfig", "build_backend", "connect", "converse", "ended_by", "keep_connected", "run_remote",
            "serve_once", "ssl_context_of", "weights_bearer"]
 
 
@@ -370,12 +370,31 @@ async def serve_once(cfg: RemoteClientConfig, backend: Any, *, sync: WeightSync 
 async def _serve_loop(ws: Any, codec: Any, sid: str, heartbeat_s: float, send: Any, serve: Any,
                       follow: Any, log: Any) -> None:
     """Heartbeats out; requests and versions in, until the connection ends."""
+    def dispatch(msg: Any, nursery: trio.Nursery) -> None:
+        if isinstance(msg, m.GenerateRequest):
+            nursery.start_soon(serve, msg)
+        elif isinstance(msg, m.WeightVersionAvailable):
+            nursery.start_soon(follow, msg.version)
+
+    await converse(ws, codec, sid, heartbeat_s, send, dispatch, log=log, lost=_Lost)
+
+
+async def converse(ws: Any, codec: Any, member_id: str, heartbeat_s: float, send: Any,
+                   dispatch: Callable[[Any, trio.Nursery], None], *, log: Any, lost: type[Exception],
+                   ready: bool = False) -> None:
+    """A remote member's side of its conversation with the daemon, until it ends: a
+    `Heartbeat` every `heartbeat_s` (and one at once when `ready`); each message that
+    decodes to ``dispatch(msg, nursery)`` (tasks it starts end with the conversation); a
+    frame that does not decode answered with `Rejected`; a `Refused` raises `JoinRefused`;
+    a `Rejected` is logged; five heartbeats of silence raise `lost`."""
     async with trio.open_nursery() as nursery:
         async def beat() -> None:
             while True:
                 await trio.sleep(heartbeat_s)
-                await send(m.Heartbeat(sampler_id=sid, sent_at=trio.current_time()))
+                await send(m.Heartbeat(sampler_id=member_id, sent_at=trio.current_time()))
 
+        if ready:
+            await send(m.Heartbeat(sampler_id=member_id, sent_at=trio.current_time()))
         nursery.start_soon(beat)
         silence = 5 * heartbeat_s
         try:
@@ -383,19 +402,18 @@ async def _serve_loop(ws: Any, codec: Any, sid: str, heartbeat_s: float, send: A
                 with trio.move_on_after(silence) as timer:
                     data = await ws.get_message()
                 if timer.cancelled_caught:
-                    raise _Lost(f"no message from the daemon for {silence} s")
+                    raise lost(f"no message from the daemon for {silence} s")
                 try:
                     msg = codec.decode(data)
                 except BadMessage as exc:
                     await send(Rejected(kind=exc.kind, detail=str(exc.detail)[:1024]))
                     continue
-                if isinstance(msg, m.GenerateRequest):
-                    nursery.start_soon(serve, msg)
-                elif isinstance(msg, m.WeightVersionAvailable):
-                    nursery.start_soon(follow, msg.version)
-                elif isinstance(msg, m.Refused):
+                if isinstance(msg, m.Refused):
                     raise JoinRefused(msg.reason)
-                elif isinstance(msg, Rejected) and log is not None:
-                    log.warning("daemon rejected a message", kind=msg.kind, detail=msg.detail)
+                if isinstance(msg, Rejected):
+                    if log is not None:
+                        log.warning("daemon rejected a message", kind=msg.kind, detail=msg.detail)
+                    continue
+                dispatch(msg, nursery)
         finally:
             nursery.cancel_scope.cancel()

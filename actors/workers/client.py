@@ -35,10 +35,9 @@ from trio_websocket import ConnectionClosed
 from fleetrl.actors.envworker.model import PoolModelClient
 from fleetrl.actors.envworker.worker import _Worker
 from fleetrl.actors.pool.errors import JoinRefused
-from fleetrl.actors.pool.remote_client import connect, ended_by, keep_connected
+from fleetrl.actors.pool.remote_client import connect, converse, ended_by, keep_connected
 from fleetrl.daemon import messages as m
 from fleetrl.daemon import worker_messages as w
-from fleetrl.daemon.errors import BadMessage
 from fleetrl.daemon.metrics import ActorMetrics, MetricsRegistry
 from fleetrl.daemon.protocol import Rejected
 from fleetrl.harness.tasks import Task
@@ -326,37 +325,15 @@ async def _local_endpoint(model: PoolModelClient, tokenizer: Any, config: Any) -
 
 async def _conversation(ws: Any, codec: Any, wid: str, heartbeat_s: float, send: Any, remote: RemotePool,
                         run_task: Any, log: Any) -> None:
-    """Heartbeats out; tasks and model answers in, until the connection ends."""
-    async with trio.open_nursery() as nursery:
-        async def beat() -> None:
-            while True:
-                await trio.sleep(heartbeat_s)
-                await send(m.Heartbeat(sampler_id=wid, sent_at=trio.current_time()))
+    """Ready at once (a first heartbeat: tasks may come); tasks and model answers in,
+    until the connection ends."""
+    def dispatch(msg: Any, nursery: trio.Nursery) -> None:
+        if isinstance(msg, w.TaskAssigned):
+            nursery.start_soon(run_task, msg)
+        elif isinstance(msg, (m.Generation, m.GenerateFailed, m.TokenChunk)):
+            remote.resolve(msg)
 
-        await send(m.Heartbeat(sampler_id=wid, sent_at=trio.current_time()))  # ready: tasks may come
-        nursery.start_soon(beat)
-        silence = 5 * heartbeat_s
-        try:
-            while True:
-                with trio.move_on_after(silence) as timer:
-                    data = await ws.get_message()
-                if timer.cancelled_caught:
-                    raise DaemonSilent(f"no message from the daemon for {silence} s")
-                try:
-                    msg = codec.decode(data)
-                except BadMessage as exc:
-                    await send(Rejected(kind=exc.kind, detail=str(exc.detail)[:1024]))
-                    continue
-                if isinstance(msg, w.TaskAssigned):
-                    nursery.start_soon(run_task, msg)
-                elif isinstance(msg, (m.Generation, m.GenerateFailed, m.TokenChunk)):
-                    remote.resolve(msg)
-                elif isinstance(msg, m.Refused):
-                    raise JoinRefused(msg.reason)
-                elif isinstance(msg, Rejected):
-                    _log(log, "warning", "daemon rejected a message", kind=msg.kind, detail=msg.detail)
-        finally:
-            nursery.cancel_scope.cancel()
+    await converse(ws, codec, wid, heartbeat_s, send, dispatch, log=log, lost=DaemonSilent, ready=True)
 
 
 async def run_worker(cfg: WorkerClientConfig, *, log: Any = None, max_connections: int | None = None) -> None:

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 2
-STEPS = 16
+STEPS = 30
 
 
 def _config(tmp_path: Path, state: Path, model_dir: Path) -> str:
