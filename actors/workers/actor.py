@@ -96,12 +96,13 @@ async def run(cfg: RemoteWorkersConfig, ctx: ActorContext, *,
                  floor=cursor.floor, group_size=cfg.group_size, pacing=pacing is not None)
     try:
         async with trio.open_nursery() as nursery:
+            hub.nursery = nursery
             if pacing is not None:
                 nursery.start_soon(pacing.release_in_order, out)
             task_status.started(hub)
             await ctx.wait_draining()
-            with trio.move_on_after(cfg.drain_grace_s):
-                while hub.book.held:
+            with trio.move_on_after(cfg.drain_grace_s):  # groups on workers, and those on their way
+                while hub.book.held or hub.delivering:
                     await trio.sleep(0.1)
             if hub.book.held:
                 ctx.log.warning("groups still on workers at the end of the drain grace; their tasks stay due",

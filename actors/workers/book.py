@@ -71,13 +71,21 @@ class TaskBook:
         return None
 
     def finish(self, index: int, worker: str) -> Held | None:
-        """`worker` is done with task `index` (its group sent, or given up): finished in
-        the cursor. None (and nothing changes) when `worker` does not hold it."""
+        """`worker` is done with task `index` (given up, or its group delivered): finished
+        in the cursor. None (and nothing changes) when `worker` does not hold it."""
+        h = self.hand_in(index, worker)
+        if h is not None:
+            self.cursor.finish(index)
+        return h
+
+    def hand_in(self, index: int, worker: str) -> Held | None:
+        """`worker` handed in task `index`'s group: no longer held (a loss of the worker
+        does not requeue it), but finished in the cursor only once the group is delivered
+        (`cursor.finish`); until then a restart runs it again (its copy is a duplicate)."""
         h = self.held.get(index)
         if h is None or h.worker != worker:
             return None
         del self.held[index]
-        self.cursor.finish(index)
         return h
 
     def requeue(self, index: int, worker: str) -> Held | None:

@@ -103,6 +103,10 @@ class Hub:
         self.closed = False
         self.scopes: set[trio.CancelScope] = set()
         self.joined = self.lost = self.assigned = self.groups = 0
+        self.delivering = 0
+        """Groups handed in and not yet delivered to the trainer (paced: awaiting release)."""
+        self.nursery: trio.Nursery | None = None
+        """Where deliveries wait for the pacer's release (the actor's)."""
 
     def statistics(self) -> HubStatistics:
         return HubStatistics(workers=len(self.links), joined=self.joined, lost=self.lost,
@@ -184,13 +188,29 @@ class Hub:
             return f"group {msg.group_id!r} is not the group of a task this worker holds"
         if msg.task_id != held.task.id:
             return f"group {msg.group_id!r} names task {msg.task_id!r}, not {held.task.id!r}"
-        self.book.finish(held.index, link.worker_id)
+        self.book.hand_in(held.index, link.worker_id)
         self.groups += 1
-        if held.paced is not None and self.pacing is not None:
+        self.delivering += 1
+        paced = held.paced
+        if paced is not None and self.pacing is not None:
             self._unpace(held, msg)  # the pacer's release order sends it (`release_in_order`)
+            assert self.nursery is not None  # set by the actor before any worker joins
+            self.nursery.start_soon(self._finish_when_released, held.index, paced)
         else:
-            await self.out.send(msg)
+            try:
+                await self.out.send(msg)
+                self.book.cursor.finish(held.index)
+            finally:
+                self.delivering -= 1
         return None
+
+    async def _finish_when_released(self, index: int, paced: Paced) -> None:
+        """Finish task `index` in the cursor once its group went to the trainer."""
+        try:
+            await paced.released.wait()
+            self.book.cursor.finish(index)
+        finally:
+            self.delivering -= 1
 
     def task_ended(self, link: _Link, msg: w.TaskEnded) -> str | None:
         if msg.index not in link.assigned:

@@ -106,3 +106,13 @@ def test_a_task_put_back_before_it_was_held_goes_out_next_and_is_not_a_rerun():
     assert _take(book, "a") == 1
     assert book.finish(0, "a") and book.finish(1, "a")
     assert book.cursor.state() == CursorState(floor=2)
+
+
+def test_a_handed_in_group_is_neither_requeued_nor_finished_until_it_is_delivered():
+    book = TaskBook(TaskCursor())
+    _take(book, "a")
+    assert book.hand_in(0, "a") is not None and book.hand_in(0, "a") is None
+    assert book.lost("a") == [] and not book.requeued  # the worker went away: its group is on its way
+    assert book.cursor.state() == CursorState(floor=0)  # a restart now would run it again
+    book.cursor.finish(0)  # delivered to the trainer
+    assert book.cursor.state() == CursorState(floor=1)
