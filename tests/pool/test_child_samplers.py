@@ -305,6 +305,8 @@ def test_pool_config_refuses_what_child_samplers_cannot_use(tmp_path):
 
     class NoControlPlane:  # a daemon with [http] enabled = false writes no control.json
         daemon_dir = tmp_path
+        name = "pool"
+        credentials = None  # a kernel without a token store: the children read weights with its token
 
     cfg = pool(samplers=[{"id": "v0", "model_dir": "m", "backend": "vllm", "process": True}])
     with pytest.raises(ValueError, match=r"samplers v0 have process = true: .* set \[http\] enabled = true"):
