@@ -199,6 +199,11 @@ class Hub:
         else:
             try:
                 await self.out.send(msg)
+            except BaseException:  # cancelled before the trainer's inbox took it: it goes out again
+                self.book.put_back(held.index, held.task)
+                self._requeued.set()
+                raise
+            else:
                 self.book.cursor.finish(held.index)
             finally:
                 self.delivering -= 1
