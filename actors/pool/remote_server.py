@@ -43,7 +43,7 @@ import math
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import trio
@@ -59,7 +59,10 @@ from .auth import token_matches
 from .core import SamplerPool
 from .errors import SamplerLost
 
-__all__ = ["CLOSE_POLICY", "RemoteSampler", "Reservation", "Reservations", "close_after_peer", "fleet_app", "receive_frame"]
+__all__ = ["CLOSE_POLICY", "RemoteSampler", "Reservation", "Reservations", "close_after_peer", "fleet_app", "read_hello",
+           "receive_frame"]
+
+T = TypeVar("T")
 
 CLOSE_POLICY = 1008
 """WebSocket close code of a refused join."""
@@ -268,17 +271,9 @@ def fleet_app(pool: SamplerPool, *, token: str | None, run_id: str, heartbeat_s:
             await refuse(f"query parameter price_per_hour={ws.query_params.get('price_per_hour')!r} "
                          "must be a finite number >= 0")
             return
-        first = await receive_frame(ws, heartbeat_timeout_s)
-        if first is None:
-            await refuse(f"no Join within {heartbeat_timeout_s} s")
-            return
-        try:
-            hello = codec.decode(first)
-        except BadMessage as exc:
-            await refuse(f"first message does not decode: {exc}")
-            return
-        if not isinstance(hello, m.Join):
-            await refuse(f"first message must be Join, got {type(hello).__name__}")
+        hello, problem = await read_hello(ws, codec, m.Join, heartbeat_timeout_s)
+        if problem is not None:
+            await refuse(problem)
             return
         reservation = reservations.claim(hello.token) if reservations is not None else None
         issued = False  # joined with an issued credential: checked again at every heartbeat
@@ -419,6 +414,22 @@ async def close_after_peer(ws: WebSocket, linger_s: float, *, code: int = 1000, 
             if msg["type"] == "websocket.disconnect":
                 return
     await ws.close(code=code, reason=reason)
+
+
+async def read_hello(ws: WebSocket, codec: Any, kind: type[T], timeout_s: float) -> tuple[T, None] | tuple[None, str]:
+    """The first message of a conversation, which must be a `kind` (a join): ``(msg,
+    None)``, or ``(None, why not)`` to refuse it with (silence, a frame that does not
+    decode, another message)."""
+    first = await receive_frame(ws, timeout_s)
+    if first is None:
+        return None, f"no {kind.__name__} within {timeout_s} s"
+    try:
+        hello = codec.decode(first)
+    except BadMessage as exc:
+        return None, f"first message does not decode: {exc}"
+    if not isinstance(hello, kind):
+        return None, f"first message must be {kind.__name__}, got {type(hello).__name__}"
+    return hello, None
 
 
 async def receive_frame(ws: WebSocket, timeout_s: float) -> bytes | None:

@@ -36,7 +36,7 @@ from starlette.websockets import WebSocket
 
 from fleetrl.actors.envworker.pacing import Paced
 from fleetrl.actors.envworker.worker import group_id_of
-from fleetrl.actors.pool.remote_server import CLOSE_POLICY, close_after_peer, receive_frame
+from fleetrl.actors.pool.remote_server import CLOSE_POLICY, close_after_peer, read_hello, receive_frame
 from fleetrl.daemon import messages as m
 from fleetrl.daemon import worker_messages as w
 from fleetrl.daemon.errors import BadMessage
@@ -260,17 +260,9 @@ class Hub:
             except Exception:
                 pass
 
-        first = await receive_frame(ws, cfg.heartbeat_timeout_s)
-        if first is None:
-            await refuse(f"no WorkerJoin within {cfg.heartbeat_timeout_s} s")
-            return
-        try:
-            hello = codec.decode(first)
-        except BadMessage as exc:
-            await refuse(f"first message does not decode: {exc}")
-            return
-        if not isinstance(hello, w.WorkerJoin):
-            await refuse(f"first message must be WorkerJoin, got {type(hello).__name__}")
+        hello, problem = await read_hello(ws, codec, w.WorkerJoin, cfg.heartbeat_timeout_s)
+        if problem is not None:
+            await refuse(problem)
             return
         if not self.may_join(hello.token):
             await refuse("wrong worker token (a worker or admin token is needed: fleetrl token create --role worker)")
