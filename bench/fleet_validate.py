@@ -148,6 +148,25 @@ def _step(rng, w, density: float):
     return torch.from_numpy(bits).view(torch.bfloat16)
 
 
+async def _announce(procs: list, lines: list, version: int, timeout_s: float) -> tuple[list[float], int]:
+    """Tell every follower process that `version` is out; the seconds until each of its
+    followers held it, and the delta's size (all followers must agree on it)."""
+    import trio
+
+    t0 = time.time()
+    for p in procs:
+        await p.stdin.send_all(json.dumps({"version": version}).encode() + b"\n")
+    done: list[float] = []
+    sizes: set[int] = set()
+    with trio.fail_after(timeout_s):
+        for ln in lines:
+            r = await ln.next()
+            done += [t - t0 for t in r["done"]]
+            sizes.update(r["bytes"])
+    (size,) = sizes
+    return done, size
+
+
 def _percentiles(times: list[float]) -> dict[str, float]:
     import numpy as np
 
@@ -196,17 +215,7 @@ async def measure(args: argparse.Namespace) -> list[dict]:
                 for _ in range(args.versions):
                     w = _step(rng, w, args.density)
                     await trio.to_thread.run_sync(pub.publish, {"w": w})
-                    t0 = time.time()
-                    for p in procs:
-                        await p.stdin.send_all(json.dumps({"version": pub.version}).encode() + b"\n")
-                    done: list[float] = []
-                    sizes: set[int] = set()
-                    with trio.fail_after(args.timeout_s):
-                        for ln in lines:
-                            r = await ln.next()
-                            done += [t - t0 for t in r["done"]]
-                            sizes.update(r["bytes"])
-                    (size,) = sizes
+                    done, size = await _announce(procs, lines, pub.version, args.timeout_s)
                     rows.append({"version": pub.version, "delta_bytes": size, **_percentiles(done)})
             finally:
                 for p in procs:
@@ -357,17 +366,7 @@ async def measure_cache(args: argparse.Namespace) -> list[dict]:
                     w = _step(rng, w, args.density)
                     await trio.to_thread.run_sync(pub.publish, {"w": w})
                     before = collections.Counter(origin.paths)
-                    t0 = time.time()
-                    for p in procs:
-                        await p.stdin.send_all(json.dumps({"version": pub.version}).encode() + b"\n")
-                    done: list[float] = []
-                    sizes: set[int] = set()
-                    with trio.fail_after(args.timeout_s):
-                        for ln in lines:
-                            r = await ln.next()
-                            done += [t - t0 for t in r["done"]]
-                            sizes.update(r["bytes"])
-                    (size,) = sizes
+                    done, size = await _announce(procs, lines, pub.version, args.timeout_s)
                     (ref,) = [r for r in pub.manifest.catchup if r.base_version == pub.version - 1]
                     asked = origin.paths - before
                     rows.append({"version": pub.version, "delta_bytes": size, **_percentiles(done),
