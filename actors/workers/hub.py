@@ -97,6 +97,7 @@ class Hub:
         self.settings = msgspec.msgpack.encode(cfg)
         self.links: dict[str, _Link] = {}
         self._ids = itertools.count(1)
+        self._admissions = itertools.count(1)
         self._take = trio.Lock()
         self._requeued = trio.Event()
         self.source_exhausted = False
@@ -154,8 +155,8 @@ class Hub:
                         self.log.info("task source exhausted", source=self.source.describe, tasks=index)
                         continue
                 held = self.book.hold(index, task, group_id_of(task.id, index, self.actor), link.worker_id)
-                if self.pacing is not None:
-                    held.paced = Paced(held.group_id)
+                if self.pacing is not None:  # a requeued task's earlier admission may still be in the pacer:
+                    held.paced = Paced(f"{held.group_id}~{next(self._admissions)}")  # a key of its own
                     await self.pacing.admit(held.paced)
                 return held
 
