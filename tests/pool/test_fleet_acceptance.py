@@ -189,19 +189,36 @@ async def test_two_local_two_remote_follow_versions_fail_over_and_refuse(fleet_m
                 assert vllm_backend.weight_version.digest == pub.digest.hex()
                 assert torch.equal(vllm_backend.host_weights()[CHANGED], weights[CHANGED])
 
-                # SIGKILL the bf16 remote while it holds requests: none is lost
+                # SIGKILL the bf16 remote while it holds requests: none is lost. It is stopped
+                # (SIGSTOP) first, so that what it holds when it dies is known: an answer it sent
+                # just before is drained, and a stopped process sends nothing more.
                 victim = names["bf16"]
                 answers.clear()
+                rerouted_before = pool.rerouted
+
+                def by_victim() -> int:
+                    return sum(1 for a in answers.values() if a.sampler.sampler_id == victim)
+
                 async with trio.open_nursery() as reqs:
                     for i in range(20_000, 20_008):
-                        reqs.start_soon(ask, i, 60)
-                    await _until(lambda: pool.registry.get(victim).running > 0, "the victim holds a request")
+                        reqs.start_soon(ask, i, 200)
+                    held = 0
+                    while held == 0:
+                        await _until(lambda: pool.registry.get(victim).running > 0 or len(answers) == 8,
+                                     "the victim holds a request")
+                        assert len(answers) < 8, "the victim never held a request long enough to be stopped"
+                        procs[1].send_signal(signal.SIGSTOP)
+                        await trio.sleep(1.0)  # answers already on their way arrive
+                        held = pool.registry.get(victim).running
+                        if held == 0:  # it had finished: let it take another request
+                            procs[1].send_signal(signal.SIGCONT)
+                    answered_before = by_victim()
                     procs[1].send_signal(signal.SIGKILL)
                 assert sorted(answers) == [f"r{i}" for i in range(20_000, 20_008)]
                 assert all(isinstance(a, m.Generation) for a in answers.values()), answers
-                assert all(a.sampler.sampler_id != victim for a in answers.values())
+                assert by_victim() == answered_before  # nothing came from it after it died
                 assert not pool.registry.get(victim).alive and victim not in pool.handles
-                assert pool.rerouted >= 1
+                assert pool.rerouted - rerouted_before >= held >= 1  # what it held was sent elsewhere
                 assert {int(v) for a in answers.values() for v in a.versions.to_numpy()} == {VERSIONS}
 
                 # the local samplers' version switches were timed per sampler and backend:
