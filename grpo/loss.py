@@ -51,7 +51,7 @@ from torch import Tensor
 from .config import CorrectionConfig
 from .errors import BadLossInput
 from .support import _check_support_ids, _support_logsumexp, _upcast
-from .weights import log_weights, sequence_keep
+from .weights import kept_tokens, log_weights, sequence_keep
 
 Reduction = Literal["mean", "sum"]
 
@@ -254,7 +254,7 @@ def policy_loss(
     log_ratio = torch.where(m, lp_a.detach() - lq_a, zero)
     logw_a = log_weights(log_ratio, config)
     keep_seq = sequence_keep(log_ratio, m, config)
-    keep = m & torch.isfinite(logw_a) & keep_seq.unsqueeze(-1)
+    keep = kept_tokens(log_ratio, m, config)
     w_a = torch.where(keep, logw_a.exp(), zero)
     term = w_a * lp_a
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .config import CorrectionConfig
 
-__all__ = ["log_weights", "in_band", "sequence_keep"]
+__all__ = ["log_weights", "in_band", "kept_tokens", "sequence_keep"]
 
 
 def _log(x: float) -> float:
@@ -64,3 +64,11 @@ def sequence_keep(log_ratio_BT: Tensor, mask_BT: Tensor, config: CorrectionConfi
     mean_lr = (log_ratio_BT.detach() * m).sum(-1) / n.clamp(min=1)
     low, high = config.seq_mask
     return in_band(mean_lr, low, high) | (n == 0)
+
+
+def kept_tokens(log_ratio_BT: Tensor, mask_BT: Tensor, config: CorrectionConfig) -> Tensor:
+    """Tokens [B, T] the loss keeps: loss-mask positions whose weight is finite (not
+    masked by the token band) in sequences the sequence mask keeps. The loss-mask
+    positions outside it are the *masked* tokens (`policy_loss`'s ``tokens_masked``)."""
+    logw = log_weights(log_ratio_BT, config)
+    return mask_BT & torch.isfinite(logw) & sequence_keep(log_ratio_BT, mask_BT, config).unsqueeze(-1)

@@ -318,8 +318,9 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
             match pending.pop(0):
                 case RolloutGroup() as group:
                     offer(group)
-                case RolloutFailed():
+                case RolloutFailed() as failed:
                     metrics.group("attempt_failed")
+                    trainer.note_failed(failed)
                 case other:
                     metrics.group("ignored")
                     ctx.log.warning("trainer ignored a message it does not handle", type=type(other).__name__)
@@ -341,6 +342,9 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
             ctx.report_version("version", trainer.version)
             ctx.report_version("step", trainer.step)
             progress.step(m, trainer.time_left_s())
+            if trainer.rollout_log_failure is not None:
+                ctx.log.warning("could not write the rollout log", error=trainer.rollout_log_failure)
+                trainer.rollout_log_failure = None
             ctx.log.info("train step", step=m.step, version=m.version, loss=m.loss,
                          reward_mean=m.reward_mean, pass_rate=m.pass_rate, skipped=m.skipped,
                          usd_per_rollout=m.usd_per_rollout)

@@ -110,6 +110,9 @@ class Batch:
     retokenization_breaks: dict[str, int] = field(default_factory=dict)
     """Breaks of the batch's trajectories by cause (the harness's token stream was not
     extended; each segment is a row of its own, trained with its own context)."""
+    row_origin: tuple[tuple[int, int, int], ...] = ()
+    """Per row, where it came from in the groups given to `build_batch`: (group index,
+    trajectory index in the group, segment index in the trajectory)."""
     whole: BatchSummary | None = None
     """Set by `select_rows`: the summary this part contributes to the batch it was cut
     from (the parent's for the part holding its row 0, empty for the others). None for a
@@ -199,6 +202,7 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
     distinct: list[np.ndarray] = []
     prefix_index: list[int] = []
     breaks: dict[str, int] = {}
+    origin: list[tuple[int, int, int]] = []
     for gi, group in enumerate(groups):
         if not group.trajectories:
             raise BadBatch(f"group {group.group_id!r} of task {group.task_id!r} has no trajectories")
@@ -207,7 +211,7 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
             raise BadBatch(f"group {group.group_id!r} has a non-finite reward: {list(group.rewards)}")
         adv = group_advantages(r, std_normalize=advantage.std_normalize,
                                leave_one_out=advantage.leave_one_out).tolist()
-        for traj, a in zip(group.trajectories, adv):
+        for tg, (traj, a) in enumerate(zip(group.trajectories, adv)):
             ti = len(rewards)
             rewards.append(float(traj.reward))
             for key, n in traj.metrics.items():
@@ -237,6 +241,7 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
                 row_traj.append(ti)
                 row_group.append(gi)
                 row_identity.append(identities[seg.sampler.sampler_id])
+                origin.append((gi, tg, si))
                 pi = prompt_of.setdefault(prompt.tobytes(), len(distinct))
                 if pi == len(distinct):
                     distinct.append(prompt)
@@ -295,6 +300,7 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         rewards=torch.tensor(rewards, dtype=torch.float32),
         n_groups=len(groups),
         retokenization_breaks=breaks,
+        row_origin=tuple(origin),
     )
 
 
@@ -366,6 +372,7 @@ def select_rows(batch: Batch, rows: Sequence[int] | torch.Tensor) -> Batch:
         rewards=batch.rewards[trajs].contiguous() if trajs else batch.rewards[:0].clone(),
         n_groups=len(groups),
         retokenization_breaks=dict(whole.retokenization_breaks),
+        row_origin=tuple(batch.row_origin[i] for i in idx.tolist()) if batch.row_origin else (),
         whole=whole,
     )
 

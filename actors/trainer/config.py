@@ -179,6 +179,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     in the trainer's state dir (each row's prompt ids, the tokens in the loss and their
     versions; `core.batch_record`): what exactly was trained, for tests and debugging."""
 
+    rollout_log: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 200
+    """Keep the newest N trained groups, token by token with the trainer's log-probs and
+    the masked tokens, in ``rollouts/`` of the trainer's state dir, and index the failed
+    attempts received (`rollout_log`; the dashboard's rollout browser reads it). 0: none."""
+
     micro_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """Accumulate each step's gradient over micro-batches of at most this many tokens per
     rank (prompt + generated, padding included; a longer row goes alone); the step equals

@@ -20,14 +20,15 @@ import msgspec
 from fleetrl.actors.buffer import RolloutBuffer, StaleGroup
 from fleetrl.actors.weights import LocalDirStore
 from fleetrl.daemon.checkpoint import CheckpointStore
-from fleetrl.daemon.messages import RolloutGroup
+from fleetrl.daemon.messages import RolloutFailed, RolloutGroup
 
 from . import checkpoint as ck
 from .batch import Batch, build_batch
 from .config import TrainerConfig
 from .engine import Engine, LocalEngine
 from .schedule import lr_at
-from .step import StepMetrics
+from .rollout_log import RolloutLog
+from .step import RowDetail, StepMetrics
 
 __all__ = ["Trainer", "batch_cost_usd", "batch_record"]
 
@@ -78,6 +79,11 @@ class Trainer:
         self.buffer = RolloutBuffer(cfg.buffer)
         self.local = CheckpointStore(self.state_dir / "checkpoints", keep=2)
         self.metrics_path = self.state_dir / "metrics.jsonl"
+        self.rollouts = None if cfg.rollout_log == 0 else RolloutLog(
+            self.state_dir / "rollouts", keep=cfg.rollout_log, std_normalize=cfg.advantage.std_normalize,
+            leave_one_out=cfg.advantage.leave_one_out)
+        self.rollout_log_failure: str | None = None
+        """The last error writing the rollout log (the actor logs it and clears it)."""
         self.step = 0
         self.task_cursor = 0
         self.resumed_from: str = "fresh"
@@ -181,6 +187,14 @@ class Trainer:
                 self.buffer.put_back(batch)
             raise
 
+    def note_failed(self, msg: RolloutFailed) -> None:
+        """An attempt failed: indexed in the rollout log."""
+        if self.rollouts is not None:
+            try:
+                self.rollouts.failed(msg)
+            except OSError as exc:
+                self.rollout_log_failure = f"{type(exc).__name__}: {exc}"
+
     def note_received(self, group: RolloutGroup) -> None:
         """Count a group the actor received (any outcome) for the next metrics line."""
         self._received[0] += 1
@@ -189,7 +203,8 @@ class Trainer:
     def train(self, groups: Sequence[RolloutGroup]) -> StepMetrics:
         """One step on ``groups`` (already taken from the buffer); publish; log; checkpoint."""
         lr = self.lr_now()
-        m = self.engine.train(groups, lr=lr, step=self.step, trainer_version=self.version)
+        detail: list[RowDetail] | None = None if self.rollouts is None else []
+        m = self.engine.train(groups, lr=lr, step=self.step, trainer_version=self.version, detail=detail)
         cost = batch_cost_usd(groups)
         m = msgspec.structs.replace(m, lr=lr, cost_usd=cost, elapsed_s=self.elapsed_s,
                                     usd_per_rollout=cost / m.trajectories if m.trajectories else 0.0,
@@ -201,6 +216,12 @@ class Trainer:
             self.step = m.step
         with self.metrics_path.open("ab") as fh:
             fh.write(msgspec.json.encode(m) + b"\n")
+        if self.rollouts is not None:
+            try:
+                self.rollouts.groups(groups, detail, step=m.step, version=m.version,
+                                     skipped=m.skipped_reason if m.skipped else None)
+            except OSError as exc:  # the log is for people: never fail a step over it
+                self.rollout_log_failure = f"{type(exc).__name__}: {exc}"
         self._received = [0, 0]
         if not m.skipped and self.step <= self.cfg.record_batches:
             out = self.state_dir / "batches" / f"step-{self.step}.json"

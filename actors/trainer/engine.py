@@ -32,7 +32,7 @@ from fleetrl.daemon.messages import RolloutGroup
 from . import checkpoint as ck
 from .batch import build_batch
 from .config import TrainerConfig
-from .step import StepMetrics, build_optimizer, master_bf16, train_step
+from .step import RowDetail, StepMetrics, build_optimizer, master_bf16, train_step
 
 __all__ = ["Engine", "LocalEngine", "ModelState", "resume_publisher"]
 
@@ -58,7 +58,8 @@ class Engine(Protocol):
 
     def start(self, ckpt: ck.TrainerCheckpoint | None) -> None: ...
 
-    def train(self, groups: Sequence[RolloutGroup], *, lr: float, step: int, trainer_version: int) -> StepMetrics: ...
+    def train(self, groups: Sequence[RolloutGroup], *, lr: float, step: int, trainer_version: int,
+              detail: list[RowDetail] | None = None) -> StepMetrics: ...
 
     def capture(self, step: int) -> ModelState: ...
 
@@ -133,12 +134,13 @@ class LocalEngine:
         self.digest = None if self.publisher.digest is None else self.publisher.digest.hex()
         return vm
 
-    def train(self, groups: Sequence[RolloutGroup], *, lr: float, step: int, trainer_version: int) -> StepMetrics:
+    def train(self, groups: Sequence[RolloutGroup], *, lr: float, step: int, trainer_version: int,
+              detail: list[RowDetail] | None = None) -> StepMetrics:
         batch = build_batch(groups, self.cfg.advantage)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         m = train_step(self.model, self.optimizer, batch, step=step, trainer_version=trainer_version,
-                       **step_kwargs(self.cfg))
+                       detail=detail, **step_kwargs(self.cfg))
         return m if m.skipped else with_version(m, self._publish())
 
     def capture(self, step: int) -> ModelState:

@@ -35,7 +35,7 @@ from .engine import ModelState
 from .errors import BadBatch, RanksFailed, RankStepError
 from .rank_group import RankGroup
 from .rank_protocol import RankError, Ready, Save, Saved, Start, Train, Trained
-from .step import StepMetrics
+from .step import RowDetail, StepMetrics
 
 __all__ = ["RankEngine", "RanksStatus"]
 
@@ -96,14 +96,17 @@ class RankEngine:
         self.version = -1 if ready.version is None else ready.version
         self.digest = ready.digest
 
-    def train(self, groups: Sequence[RolloutGroup], *, lr: float, step: int, trainer_version: int) -> StepMetrics:
-        req = Train(step=step, lr=lr, trainer_version=trainer_version, groups=list(groups))
+    def train(self, groups: Sequence[RolloutGroup], *, lr: float, step: int, trainer_version: int,
+              detail: list[RowDetail] | None = None) -> StepMetrics:
+        req = Train(step=step, lr=lr, trainer_version=trainer_version, groups=list(groups), detail=detail is not None)
         reply = self._request(req, f"step {step + 1}")
         if not isinstance(reply, Trained):
             raise RankStepError(f"rank 0 answered a step with {type(reply).__name__}")
         m = msgspec.msgpack.decode(reply.metrics, type=StepMetrics)
+        if detail is not None and reply.detail:
+            detail.extend(msgspec.msgpack.decode(reply.detail, type=list[RowDetail]))
         if not m.skipped:
-            self.replay.append(req)
+            self.replay.append(msgspec.structs.replace(req, detail=False))
             self.version = m.version
             self.digest = reply.digest
         return m

@@ -51,7 +51,7 @@ from .rank_group import RankSpec
 from .rank_protocol import FrameReader, RankError, Ready, Save, Saved, Start, Stop, Train, Trained, \
     decode_request, frame
 from .sharding import rank_rows
-from .step import build_optimizer, train_step
+from .step import RowDetail, build_optimizer, train_step
 
 __all__ = ["main"]
 
@@ -150,15 +150,17 @@ class Rank:
         local = rank_rows(batch, self.rank, self.world)
         for group in self.optimizer.param_groups:
             group["lr"] = req.lr
+        rows: list[RowDetail] | None = [] if req.detail else None
         m = train_step(self.model, self.optimizer, local, step=req.step, trainer_version=req.trainer_version,
-                       collective=self.collective, **step_kwargs(self.cfg))
+                       collective=self.collective, detail=rows, **step_kwargs(self.cfg))
         digest = None
         if not m.skipped and req.publish:
             vm = self._publish()
             if vm is not None:
                 m = with_version(m, vm)
                 digest = self._digest()
-        return Trained(metrics=msgspec.msgpack.encode(m), digest=digest)
+        return Trained(metrics=msgspec.msgpack.encode(m), digest=digest,
+                       detail=msgspec.msgpack.encode(rows) if rows else b"")
 
     def save(self, req: Save) -> Saved:
         path = dcp.save_checkpoint(self.sharded_root, req.step, self.model, self.optimizer,

@@ -50,6 +50,8 @@ class Train(msgspec.Struct, frozen=True, tag="train", kw_only=True):
     groups: list[RolloutGroup]
     publish: bool = True
     """False when replaying steps already published before a rank restart."""
+    detail: bool = False
+    """Send each row's `step.RowDetail` back (the trainer's rollout log)."""
 
 
 class Save(msgspec.Struct, frozen=True, tag="save", kw_only=True):
@@ -79,6 +81,8 @@ class Trained(msgspec.Struct, frozen=True, tag="trained", kw_only=True):
     """msgpack of the step's `StepMetrics` (version and delta fields filled when published)."""
     digest: str | None
     """Hex digest of the version published after the step (None: none published)."""
+    detail: bytes = b""
+    """msgpack of the step's `step.RowDetail` list, every rank's rows (asked by ``Train.detail``)."""
 
 
 class Saved(msgspec.Struct, frozen=True, tag="saved", kw_only=True):

@@ -55,14 +55,14 @@ import torch
 
 from fleetrl.daemon.messages import MismatchFigures, SamplerIdentity
 from fleetrl.grpo import CorrectionConfig, policy_loss, replay_logprobs
-from fleetrl.grpo.weights import in_band
+from fleetrl.grpo.weights import in_band, kept_tokens
 
 from .batch import Batch, split_rows
 from .collective import Collective, LocalCollective, gather_bytes
 from .fsdp import has_activation_checkpointing, is_sharded, use_sum_reduction
 from .prefix import plain_logits, shared_prompt_logits
 
-__all__ = ["MismatchFigures", "StepMetrics", "build_optimizer", "combine_figures", "load_into", "master_bf16",
+__all__ = ["MismatchFigures", "RowDetail", "StepMetrics", "build_optimizer", "combine_figures", "load_into", "master_bf16",
            "train_step"]
 
 
@@ -231,6 +231,21 @@ def combine_figures(parts: Sequence[MismatchFigures]) -> MismatchFigures:
     return total.figures()
 
 
+class RowDetail(msgspec.Struct, frozen=True, array_like=True):
+    """What the step saw of one row's generated tokens (the rollout log, `train_step`'s
+    ``detail``): where the row came from (`Batch.row_origin`), the trainer's replayed log
+    p^S of each token (temperature applied, over the sampler's support), and the
+    positions the corrections masked (loss-mask tokens the loss did not keep)."""
+
+    origin: tuple[int, int, int]
+    trainer_logprobs: list[float]
+    masked: list[int]
+
+
+class _Details(msgspec.Struct):
+    rows: list[RowDetail] = []
+
+
 class _Sums(msgspec.Struct):
     """A rank's sums over its micro-batches, combined over ranks by adding."""
 
@@ -310,13 +325,21 @@ def _base(heads: Sequence[_Head], pass_threshold: float, trainer_version: int) -
 
 
 @torch.no_grad()
-def _mismatch_sums(logits_BTV: torch.Tensor, batch: Batch, sums: _Sums, band: tuple[float, float]) -> None:
+def _mismatch_sums(logits_BTV: torch.Tensor, batch: Batch, sums: _Sums, corrections: CorrectionConfig,
+                   detail: list[RowDetail] | None) -> None:
     """The mismatch of ``batch``'s loss tokens (replayed log p^S vs reported log q^S)
-    overall, per sampler kind and per sampler id, added to ``sums``."""
+    overall, per sampler kind and per sampler id, added to ``sums``; with ``detail``, each
+    row's `RowDetail` appended to it."""
     lp, _ = replay_logprobs(logits_BTV, batch.tokens, batch.support_ids)
     m = batch.loss_mask
     lr = lp.double() - batch.sampler_logprobs.double()
-    out = ~in_band(lr, *band)
+    out = ~in_band(lr, corrections.mask_low, corrections.mask_high)
+    if detail is not None:
+        masked = (m & ~kept_tokens(torch.where(m, lr, 0.0), m, corrections)).cpu()
+        lengths, lp_cpu = m.sum(-1).tolist(), lp.float().cpu()
+        for b, n in enumerate(lengths):
+            detail.append(RowDetail(origin=batch.row_origin[b], trainer_logprobs=lp_cpu[b, :n].tolist(),
+                                    masked=masked[b, :n].nonzero().reshape(-1).tolist()))
     sums.fleet.add(_Mismatch.of(lr[m], out[m]))
     for owner, names, into in ((batch.token_sampler, batch.sampler_keys, sums.by_kind),
                                (batch.token_identity, [s.sampler_id for s in batch.sampler_identities], sums.by_id)):
@@ -329,7 +352,7 @@ def _mismatch_sums(logits_BTV: torch.Tensor, batch: Batch, sums: _Sums, band: tu
 
 
 def _micro_step(model: torch.nn.Module, mb: Batch, *, corrections: CorrectionConfig, temperature: float,
-                share: bool) -> _Sums:
+                share: bool, detail: list[RowDetail] | None = None) -> _Sums:
     """Forward ``mb``, backward the *sum* of its loss (gradients accumulate); its sums."""
     logits_BTV = (shared_prompt_logits if share else plain_logits)(model, mb)
     lg = logits_BTV.float() / temperature
@@ -338,7 +361,7 @@ def _micro_step(model: torch.nn.Module, mb: Batch, *, corrections: CorrectionCon
     sums = _Sums(**{k: m[k] for k in ("tokens_counted", "sequences_counted", "tokens_in_loss", "tokens_masked",
                                       "sequences_in_loss", "sequences_masked", "log_ratio_sum", "weight_sum",
                                       "centering_norm_sum")}, numerator=m["loss"])
-    _mismatch_sums(lg.detach(), mb, sums, (corrections.mask_low, corrections.mask_high))
+    _mismatch_sums(lg.detach(), mb, sums, corrections, detail)
     del logits_BTV, lg
     loss_sum.backward()
     return sums
@@ -403,7 +426,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
                corrections: CorrectionConfig, temperature: float, grad_clip: float,
                pass_threshold: float, step: int, trainer_version: int,
                share_prompts: bool = True, micro_batch_tokens: int | None = None,
-               collective: Collective | None = None) -> StepMetrics:
+               collective: Collective | None = None, detail: list[RowDetail] | None = None) -> StepMetrics:
     """Train ``model`` on ``batch``; returns the step's metrics (``step`` = steps before it).
 
     ``trainer_version`` is the version the batch is trained against (for staleness).
@@ -417,6 +440,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     same arguments otherwise. The model is either sharded with FSDP2 over the same ranks
     (`fleetrl.actors.trainer.fsdp.shard_model`) or replicated (identical on every rank).
     The metrics describe the whole batch over all ranks (module docstring).
+    ``detail``: a list that gets one `RowDetail` per row of the whole batch (every rank's,
+    gathered; the batch needs its ``row_origin``) when the step runs its forward; every
+    rank passes one, or none does.
     """
     t0 = time.perf_counter()
     if micro_batch_tokens is not None and (isinstance(micro_batch_tokens, bool)
@@ -445,15 +471,20 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     model.train()
     optimizer.zero_grad(set_to_none=True)
     local = _Sums()
+    rows: list[RowDetail] | None = None if detail is None else []
     for i in range(n_micro):
         if i < len(micro):
             mb = micro[i] if micro[i].input_ids.device == device else micro[i].to(device)
-            local.add(_micro_step(model, mb, corrections=corrections, temperature=temperature, share=share))
+            local.add(_micro_step(model, mb, corrections=corrections, temperature=temperature, share=share,
+                                  detail=rows))
         elif sharded and coll.world_size > 1:
             _idle_pass(model, device, share)
     total = _Sums()
     for s in _all(coll, local, _Sums):
         total.add(s)
+    if detail is not None and rows is not None:
+        for part in _all(coll, _Details(rows=rows), _Details):
+            detail.extend(part.rows)
     count = total.tokens_counted if corrections.normalization == "token" else total.sequences_counted
     stats = dict(loss=total.numerator / max(count, 1.0), **_stats(total))
     if count == 0:

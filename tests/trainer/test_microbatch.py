@@ -292,15 +292,8 @@ def test_gather_bytes_over_ranks():
     assert gather_bytes(LocalCollective(), b"x") == [b"x"]
 
 
-@pytest.mark.parametrize("micro", [None, 40])
-def test_two_replicated_ranks_equal_one(tiny_dir, groups, micro):
-    """Two threads, each a rank with its own copy of the model and its half of the rows
-    (rank 0 holds row 0, so the batch's groups and rewards), summing through the
-    collective: the same weights and metrics as one process on the whole batch."""
-    batch = _sampled_batch(tiny_dir, groups)
-    start = load_master_weights(tiny_dir).state_dict()
-    one, w_one = _run(tiny_dir, batch, "sgd")
-    cut = 4
+def _two_ranks(tiny_dir, batch, *, cut: int = 4, details=(None, None), **kw):
+    """`_run` on two thread ranks holding rows ``[:cut]`` and ``[cut:]``; each rank's result."""
     shares = [select_rows(batch, range(cut)), select_rows(batch, range(cut, batch.tokens.shape[0]))]
     coll = ThreadCollective(2)
     results: dict[int, tuple] = {}
@@ -308,7 +301,7 @@ def test_two_replicated_ranks_equal_one(tiny_dir, groups, micro):
 
     def rank(r):
         try:
-            results[r] = _run(tiny_dir, shares[r], "sgd", collective=coll.rank_view(r), micro_batch_tokens=micro)
+            results[r] = _run(tiny_dir, shares[r], "sgd", collective=coll.rank_view(r), detail=details[r], **kw)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
             coll._barrier.abort()
@@ -319,7 +312,55 @@ def test_two_replicated_ranks_equal_one(tiny_dir, groups, micro):
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    (m0, w0), (m1, w1) = results[0], results[1]
+    return results[0], results[1]
+
+
+def test_token_detail_is_one_per_row_whatever_the_split_and_is_what_the_loss_masked(tiny_dir, groups):
+    """The rollout log's per-token detail: one `RowDetail` per row of the whole batch, the
+    same in one batch, four micro-batches and two ranks; its masked positions are those
+    whose replayed-over-reported ratio falls outside the band or whose sequence's
+    geometric mean does, and they add up to the step's ``frac_masked_tokens``."""
+    batch = _sampled_batch(tiny_dir, groups)
+    one: list = []
+    m, _ = _run(tiny_dir, batch, "sgd", detail=one)
+    assert [d.origin for d in one] == list(batch.row_origin) and len(one) == batch.tokens.shape[0]
+    masked = 0
+    for b, d in enumerate(one):
+        n = int(batch.loss_mask[b].sum())
+        assert len(d.trainer_logprobs) == n
+        r = np.asarray(d.trainer_logprobs, dtype=np.float64) - batch.sampler_logprobs[b, :n].double().numpy()
+        out = (r < math.log(CORR.mask_low)) | (r > math.log(CORR.mask_high))
+        seq_out = not (math.log(CORR.seq_mask[0]) <= r.mean() <= math.log(CORR.seq_mask[1]))
+        want = list(range(n)) if seq_out else np.flatnonzero(out).tolist()
+        assert d.masked == want, (b, d.masked, want)
+        masked += len(d.masked)
+    assert 0 < masked < batch.n_tokens
+    assert masked == round(m.frac_masked_tokens * m.tokens)
+    four: list = []
+    _run(tiny_dir, batch, "sgd", detail=four, micro_batch_tokens=_budget_for(batch, 4))
+    ranks: tuple[list, list] = ([], [])
+    _two_ranks(tiny_dir, batch, details=ranks, micro_batch_tokens=40)
+    assert ranks[0] == ranks[1]  # every rank gets every rank's rows
+    for other in (four, ranks[0]):
+        got = {d.origin: d for d in other}
+        assert sorted(got) == sorted(batch.row_origin)
+        for d in one:
+            assert got[d.origin].masked == d.masked
+            assert got[d.origin].trainer_logprobs == pytest.approx(d.trainer_logprobs, abs=1e-4)
+    # a batch's rows come from (group, attempt, segment) of the groups it was built from
+    assert batch.row_origin[0] == (0, 0, 0) and select_rows(batch, [2, 0]).row_origin == (batch.row_origin[2],
+                                                                                             batch.row_origin[0])
+
+
+@pytest.mark.parametrize("micro", [None, 40])
+def test_two_replicated_ranks_equal_one(tiny_dir, groups, micro):
+    """Two threads, each a rank with its own copy of the model and its half of the rows
+    (rank 0 holds row 0, so the batch's groups and rewards), summing through the
+    collective: the same weights and metrics as one process on the whole batch."""
+    batch = _sampled_batch(tiny_dir, groups)
+    start = load_master_weights(tiny_dir).state_dict()
+    one, w_one = _run(tiny_dir, batch, "sgd")
+    (m0, w0), (m1, w1) = _two_ranks(tiny_dir, batch, micro_batch_tokens=micro)
     assert_same_metrics(one, m0)
     assert_same_metrics(m0, m1, rel=0)  # every rank reports the same
     assert_same_weights(start, w_one, w0, "sgd")

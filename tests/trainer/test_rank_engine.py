@@ -81,7 +81,11 @@ def test_a_hung_rank_times_out_and_a_rank_dead_while_idle_is_restarted_by_check(
     engine = RankEngine(cfg, tmp_path / "state", "test")
     try:
         engine.start(None)
-        engine.train([four_groups[0]], lr=1e-2, step=0, trainer_version=engine.version)
+        detail: list = []  # the rollout log's per-token detail comes back from rank 0, every rank's rows
+        engine.train([four_groups[0]], lr=1e-2, step=0, trainer_version=engine.version, detail=detail)
+        assert sorted(d.origin for d in detail) == [(0, 0, 0), (0, 1, 0)]
+        assert [len(d.trainer_logprobs) for d in detail] == [int(four_groups[0].trajectories[o[1]].n_generated)
+                                                            for o in (d.origin for d in detail)]
         os.kill(engine.pids[1], signal.SIGSTOP)  # alive, but never answers
         m = engine.train([four_groups[1]], lr=1e-2, step=1, trainer_version=engine.version)
         assert m.step == 2 and engine.restarts == 1
