@@ -16,6 +16,8 @@ One binary WebSocket message = one msgpack message of this closed union (`protoc
    `GenerateFailed` (the sampler pool's own messages, in the other direction).
 4. both ways: `Heartbeat` at least every ``heartbeat_s``; `Leave` or a closed
    connection ends it, and the daemon gives the worker's unfinished tasks to others.
+   worker -> daemon: `WorkerLoad` with each heartbeat (what it runs now, for the
+   dashboard's environment workers table).
 
 Evolution: append fields with defaults only (`protocol`).
 """
@@ -30,7 +32,7 @@ from .messages import (Generation, GenerateFailed, GenerateRequest, Heartbeat, L
                        RolloutGroup, TokenChunk)
 from .protocol import PROTOCOL_VERSION, Codec, Message
 
-__all__ = ["WORKERS", "HarnessShipped", "TaskAssigned", "TaskEnded", "WorkerJoin", "WorkerWelcome"]
+__all__ = ["WORKERS", "HarnessShipped", "TaskAssigned", "TaskEnded", "WorkerJoin", "WorkerLoad", "WorkerWelcome"]
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -100,9 +102,18 @@ class TaskEnded(Message):
     outcome: Literal["finished", "abandoned"]
 
 
+class WorkerLoad(Message):
+    """What a worker runs now: its attempts, and its host's sandbox containers (warm: idle
+    and reset, ready for a lease; leased: held by attempts)."""
+
+    attempts_running: NonNegInt
+    sandboxes_warm: NonNegInt | None = None
+    sandboxes_leased: NonNegInt | None = None
+
+
 WORKERS = Codec(
     "workers",
     [WorkerJoin, WorkerWelcome, HarnessShipped, TaskAssigned, TaskEnded, Refused, Heartbeat, Leave,
-     RolloutGroup, RolloutFailed, GenerateRequest, Generation, GenerateFailed, TokenChunk],
+     RolloutGroup, RolloutFailed, GenerateRequest, Generation, GenerateFailed, TokenChunk, WorkerLoad],
     error_reply=True,
 )

@@ -28,6 +28,7 @@ from fleetrl.daemon.actor import ActorContext
 
 from .app import Feed, dashboard_app
 from .config import DashboardConfig
+from .rollouts import RolloutSource
 from .sessions import Sessions
 from .snapshot import Series, eval_points, event_of, fleet_of, snapshot
 
@@ -99,7 +100,8 @@ async def run(cfg: DashboardConfig, ctx: ActorContext, *,
     handle = DashboardHandle(feed)
     files = _Files(cfg, ctx.daemon_dir, cfg.points)
     sessions = Sessions(cfg.session_hours * 3600.0, time.monotonic)
-    ctx.mount(cfg.prefix, dashboard_app(feed, sessions, _may_log_in(ctx)), auth=False)
+    rollouts = RolloutSource(ctx.daemon_dir / cfg.rollouts, cfg.tokenizer_dir)
+    ctx.mount(cfg.prefix, dashboard_app(feed, sessions, _may_log_in(ctx), rollouts), auth=False)
 
     def others_ended(status: dict[str, Any]) -> bool:
         return all(a.get("state") in _ENDED for name, a in (status.get("actors") or {}).items() if name != ctx.name)

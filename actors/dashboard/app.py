@@ -7,8 +7,12 @@
   (``HttpOnly``, ``SameSite=Strict``, ``Secure`` over TLS), then 303 to the page; a wrong
   token: 401 with the form's error. ``POST /logout`` ends the session.
 * ``GET /events``: server-sent events, one ``snapshot`` event per refresh (the JSON of
-  `snapshot.snapshot`); ``GET /snapshot``: the latest one as JSON. Both 401 without a
-  session: every data route is behind the log-in.
+  `snapshot.snapshot`); ``GET /snapshot``: the latest one as JSON.
+* ``GET /rollouts?task=&reward_min=&reward_max=&failure=&limit=``: the rollout log's
+  groups, newest first (`rollouts.list_groups`); ``GET /rollouts/{n}``: group ``n`` laid
+  out for the rollout browser (`rollouts.group_view`; 404 once the log no longer keeps it).
+
+Every data route answers 401 without a session: the page itself holds no data.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .rollouts import RolloutSource
 from .sessions import COOKIE, Sessions
 
 __all__ = ["Feed", "dashboard_app"]
@@ -58,8 +63,20 @@ def _static(name: str) -> bytes | None:
         return None
 
 
-def dashboard_app(feed: Feed, sessions: Sessions, may_log_in: Any) -> Starlette:
-    """The routes (see the module docstring); `may_log_in(token)`: whether a token opens it."""
+def _float(request: Request, name: str) -> float | None:
+    raw = request.query_params.get(name, "")
+    if not raw:
+        return None
+    value = float(raw)  # ValueError: answered 400 by the caller
+    if value != value:
+        raise ValueError(f"{name} is not a number")
+    return value
+
+
+def dashboard_app(feed: Feed, sessions: Sessions, may_log_in: Any, rollouts: RolloutSource | None = None) -> Starlette:
+    """The routes (see the module docstring); `may_log_in(token)`: whether a token opens
+    it; `rollouts`: the rollout log (None: the browser lists nothing)."""
+    reading = trio.CapacityLimiter(1)  # one file read at a time, however many pages ask
 
     def session(request: Request) -> bool:
         return sessions.valid(request.cookies.get(COOKIE))
@@ -124,6 +141,33 @@ def dashboard_app(feed: Feed, sessions: Sessions, may_log_in: Any) -> Starlette:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+    async def rollout_list(request: Request) -> Response:
+        if not session(request):
+            return unauthorized()
+        q = request.query_params
+        try:
+            filters = dict(task=q.get("task", ""), failure=q.get("failure", ""),
+                           reward_min=_float(request, "reward_min"), reward_max=_float(request, "reward_max"),
+                           limit=int(q.get("limit", "200")))
+        except ValueError as exc:
+            return JSONResponse({"error": f"bad filter: {exc}"}, status_code=400)
+        if not 1 <= filters["limit"] <= 5000:
+            return JSONResponse({"error": "bad filter: limit must be in [1, 5000]"}, status_code=400)
+        if rollouts is None:
+            return JSONResponse({"groups": [], "matched": 0, "failure_kinds": []})
+        body = await trio.to_thread.run_sync(lambda: rollouts.listing(**filters), limiter=reading)
+        return JSONResponse(body, headers={"Cache-Control": "no-store"})
+
+    async def rollout_group(request: Request) -> Response:
+        if not session(request):
+            return unauthorized()
+        n = request.path_params["n"]
+        view = None if rollouts is None else await trio.to_thread.run_sync(rollouts.group, n, limiter=reading)
+        if view is None:
+            return JSONResponse({"error": f"group {n} is not in the rollout log (it keeps the newest groups)"},
+                                status_code=404)
+        return JSONResponse(view, headers={"Cache-Control": "no-store"})
+
     return Starlette(routes=[
         Route("/", page, methods=["GET"], name="page"),
         Route("/static/{name}", static, methods=["GET"]),
@@ -131,4 +175,6 @@ def dashboard_app(feed: Feed, sessions: Sessions, may_log_in: Any) -> Starlette:
         Route("/logout", logout, methods=["POST"]),
         Route("/snapshot", current, methods=["GET"]),
         Route("/events", events, methods=["GET"]),
+        Route("/rollouts", rollout_list, methods=["GET"]),
+        Route("/rollouts/{n:int}", rollout_group, methods=["GET"]),
     ])

@@ -23,6 +23,10 @@ class DashboardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     lists (None, or no such actor: an empty table)."""
     metrics: str = "actors/trainer/metrics.jsonl"
     evals: str = "actors/evaluator/eval.jsonl"
+    rollouts: str = "actors/trainer/rollouts"
+    """The trainer's rollout log (its ``rollout_log`` setting), read by the rollout browser."""
+    tokenizer_dir: str | None = None
+    """The model's tokenizer, to show the rollout browser's tokens as text (None: as ids)."""
     log: str = "logs/daemon.jsonl"
     """The daemon's log (JSON lines), read for the events list."""
     session_hours: Annotated[float, msgspec.Meta(gt=0.0, le=24 * 30)] = 12.0

@@ -2,9 +2,10 @@
 
 `Series` keeps the charted figures of the trainer's metrics rows (a bounded window);
 `eval_points` the held-out pass@1 with its interval per split; `fleet_of` the samplers
-as /status reports them; `event_of` picks the log lines worth showing (restarts,
-failures, requeues, lost samplers, retokenization breaks, warnings). `snapshot` puts
-them together with the /status body into the one JSON object every page receives.
+as /status reports them; `workers_of` the environment workers and their sandboxes;
+`event_of` picks the log lines worth showing (restarts, failures, requeues, lost
+samplers, retokenization breaks, warnings). `snapshot` puts them together with the
+/status body into the one JSON object every page receives.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["CHARTS", "EVENT_NAMES", "Series", "eval_points", "event_of", "fleet_of", "snapshot"]
+__all__ = ["CHARTS", "ENV_WORKER_FACTORIES", "EVENT_NAMES", "Series", "eval_points", "event_of", "fleet_of",
+           "snapshot", "workers_of"]
 
 CHARTS = ("reward_mean", "pass_rate", "grad_norm", "mismatch_kl_k3", "staleness_mean", "delta_ratio",
           "usd_per_rollout", "loss")
@@ -27,6 +29,10 @@ EVENT_NAMES = frozenset({
     "too many failed attempts", "attempt failed", "checkpoint written", "shutdown requested", "report written",
 })
 """Log events shown besides every warning and error."""
+
+ENV_WORKER_FACTORIES = frozenset({"fleetrl.actors.envworker:run", "fleetrl.actors.envworker.actor:run"})
+"""The environment worker actor: listed in the workers table even while it reports no
+row (starting, restarting, failed), with its state as health."""
 
 
 def _finite(v: Any) -> float | None:
@@ -98,6 +104,33 @@ def fleet_of(status: Mapping[str, Any], pool: str | None) -> list[dict[str, Any]
     return [dict(r) for r in rows if isinstance(r, Mapping)] if isinstance(rows, (list, tuple)) else []
 
 
+def workers_of(status: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per environment worker, as /status reports them: the ``worker_rows`` of
+    every actor's statistics (`actors.envworker.fleet_row.WorkerRow`: an environment
+    worker actor's one row, the remote workers actor's one per worker), each with its
+    ``actor``. A worker of the daemon whose actor is not running has that state as its
+    health; an environment worker actor with no row (not started, restarting) gets a row
+    of its name and state alone."""
+    out: list[dict[str, Any]] = []
+    for name, a in (status.get("actors") or {}).items():
+        if not isinstance(a, Mapping):
+            continue
+        stats, state = a.get("statistics"), a.get("state")
+        rows = stats.get("worker_rows") if isinstance(stats, Mapping) else None
+        rows = [r for r in rows if isinstance(r, Mapping)] if isinstance(rows, (list, tuple)) else []
+        for r in rows:
+            row = {"actor": name, **r}
+            if not r.get("remote") and state not in (None, "running"):
+                row["health"] = state
+            out.append(row)
+        if not rows and a.get("factory") in ENV_WORKER_FACTORIES:
+            out.append({"actor": name, "worker": name, "host": "", "remote": False, "address": "",
+                        "attempts_running": None, "groups_running": None, "groups": {}, "failures": {},
+                        "sandboxes_warm": None, "sandboxes_leased": None, "sandboxes_limit": None,
+                        "health": state or "unknown", "last_seen_s": None, "ended": None})
+    return out
+
+
 def event_of(line: Mapping[str, Any]) -> dict[str, Any] | None:
     """A log line worth showing as an event (see `EVENT_NAMES`), trimmed; else None."""
     event, level = line.get("event"), line.get("level")
@@ -122,5 +155,6 @@ def snapshot(status: Mapping[str, Any], series: Series, evals: Mapping[str, Any]
         "series": series.as_json(),
         "evals": evals,
         "fleet": fleet,
+        "workers": workers_of(status),
         "events": list(events),
     }

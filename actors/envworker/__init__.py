@@ -5,7 +5,8 @@ typed failures), `cursor` (checkpointed task position). I/O around it: `sources`
 sources), `model` (model clients: a local torch backend, or the sampler pool),
 `sandboxing` (lazy leases, group scoring with one ``exec_many``), `attempt` (one
 attempt: lease, harness, score), `pacing` (groups through the pool's staleness pacer),
-`harnesses` (loading a harness), `worker` (the task loop), `actor` (the actor
+`harnesses` (loading a harness), `worker` (the task loop), `fleet_row` (a worker and its
+sandboxes as /status shows them), `actor` (the actor
 ``fleetrl.actors.envworker:run``). docs/reference/envworkers.md is the guide.
 """
 
@@ -20,6 +21,7 @@ from .config import (
     ToolLookupTasks,
 )
 from .cursor import CursorState, TaskCursor
+from .fleet_row import WorkerRow
 from .group import AttemptTicket, GroupResult, GroupStateError, GroupTracker
 from .actor import Inbox, run
 from .attempt import Failed, sandbox_limits
@@ -32,4 +34,5 @@ __all__ = ["DEFAULT_MAX_TRIES", "FAILURE_KINDS", "AttemptTicket", "CursorState",
            "EnvWorkerStatistics", "Failed", "Inbox", "open_model",
            "GroupResult", "GroupStateError", "GroupTracker", "HumanEvalTasks", "JsonlTasks", "LocalModel",
            "LocalModelClient", "PoolModel", "PoolModelClient", "RetryPolicy", "SandboxSettings",
-           "SyntheticTasks", "TaskCursor", "ToolLookupTasks", "group_id_of", "load_harness", "run", "sandbox_limits"]
+           "SyntheticTasks", "TaskCursor", "ToolLookupTasks", "WorkerRow", "group_id_of", "load_harness", "run",
+           "sandbox_limits"]

@@ -19,6 +19,7 @@ never emitted and its task is not marked finished, so the checkpointed cursor
 
 from __future__ import annotations
 
+import socket
 from functools import partial
 from typing import Any
 
@@ -33,12 +34,15 @@ from .atif_files import AtifFiles, atif_dir
 from .attempt import AttemptRunner, Failed, sandbox_limits
 from .config import EnvWorkerConfig, PoolModel
 from .cursor import TaskCursor
+from .fleet_row import WorkerRow, sandbox_counts
 from .group import AttemptTicket, GroupResult, GroupTracker
 from .pacing import GroupPacing, Paced
 from .sandboxing import GroupScorer
 from .score_batches import ScoreBatcher
 
 __all__ = ["EnvWorkerStatistics", "group_id_of"]
+
+_HOST = socket.gethostname()
 
 
 def group_id_of(task_id: str, index: int, worker: str) -> str:
@@ -58,6 +62,8 @@ class EnvWorkerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     attempts_in_flight: int
     cursor_floor: int
     """Every task below this number is done."""
+    worker_rows: tuple[WorkerRow, ...] = ()
+    """This worker and its sandboxes, as one row (the dashboard's environment workers)."""
 
 
 class _SlotHold:
@@ -86,6 +92,8 @@ class _Metrics:
         self.running = 0
         self.attempts: dict[str, int] = {}
         self.groups: dict[str, int] = {}
+        self.failures: dict[str, int] = {}
+        self.groups_running = 0
 
     def started(self) -> None:
         self.running += 1
@@ -101,6 +109,7 @@ class _Metrics:
                         {"outcome": outcome}).inc()
 
     def failure(self, reason: str, final: bool) -> None:
+        self.failures[reason] = self.failures.get(reason, 0) + 1
         self._m.counter("envworker_attempt_failures_total", "Failed attempts, by reason and whether "
                         "the slot gave up (final) or was retried", {"reason": reason,
                                                                    "final": str(final).lower()}).inc()
@@ -170,7 +179,18 @@ class _Worker:
     def statistics(self) -> EnvWorkerStatistics:
         return EnvWorkerStatistics(tasks_taken=self.tasks_taken, groups=dict(self.metrics.groups),
                                    attempts=dict(self.metrics.attempts),
-                                   attempts_in_flight=self.metrics.running, cursor_floor=self.cursor.floor)
+                                   attempts_in_flight=self.metrics.running, cursor_floor=self.cursor.floor,
+                                   worker_rows=(self.row(),))
+
+    def row(self) -> WorkerRow:
+        """This worker and its sandboxes (`fleet_row.WorkerRow`)."""
+        warm, leased = sandbox_counts(self.pool)
+        m = self.metrics
+        return WorkerRow(worker=getattr(self.ctx, "name", ""), host=_HOST, remote=False,
+                         attempts_running=m.running, groups_running=m.groups_running, groups=dict(m.groups),
+                         failures=dict(m.failures), sandboxes_warm=warm, sandboxes_leased=leased,
+                         sandboxes_limit=self.cfg.sandbox.max_containers,
+                         health="draining" if getattr(self.ctx, "draining", False) else "up")
 
     # -- one attempt ------------------------------------------------------------------------
     def scores_by_group(self, task: Task) -> bool:
@@ -228,6 +248,7 @@ class _Worker:
 
     # -- one group --------------------------------------------------------------------------
     async def group(self, index: int, task: Task, done: trio.Semaphore) -> None:
+        self.metrics.groups_running += 1
         try:
             # deterministic: a task re-run after a restart gets the same id, so the trainer
             # refuses a copy of a group it already holds (exactly-once across SIGKILL)
@@ -263,6 +284,7 @@ class _Worker:
                 await self.out.send(result.group)
             self.group_ended(index, task, result)
         finally:
+            self.metrics.groups_running -= 1
             done.release()
 
     def group_ended(self, index: int, task: Task, result: GroupResult) -> None:

@@ -24,6 +24,10 @@ class TrackerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     ``wandb/`` run directories, trackio's project database."""
     metrics: str = "actors/trainer/metrics.jsonl"
     """The step scalars to follow (relative to the state directory): one row per step."""
+    evals: str = "actors/evaluator/eval.jsonl"
+    """The held-out evaluations to follow (relative to the state directory; the
+    evaluator's ``eval.jsonl``): one line per version and split, logged as
+    ``eval/<split>/<field>``. A file that does not exist is nothing to log."""
     report_dir: str | None = None
     """The run's report (the evaluator's ``report_dir``): its plots are logged as images
     once its ``index.html`` is written at the end of the run."""

@@ -33,6 +33,7 @@ import trio
 from trio_websocket import ConnectionClosed
 
 from fleetrl.actors.envworker.model import PoolModelClient
+from fleetrl.actors.envworker.fleet_row import sandbox_counts
 from fleetrl.actors.envworker.worker import _Worker
 from fleetrl.actors.pool.errors import JoinRefused
 from fleetrl.actors.pool.remote_client import connect, converse, ended_by, keep_connected
@@ -270,7 +271,17 @@ async def serve_once(cfg: WorkerClientConfig, *, instance_id: str, log: Any = No
                     await worker.group(msg.index, task, trio.Semaphore(0))
                     await send(w.TaskEnded(index=msg.index, outcome=outcomes.ended.pop(msg.index, "abandoned")))
 
-                await _conversation(ws, codec, wid, reply.heartbeat_s, send, remote, run_task, log)
+                async def report_load() -> None:  # with each heartbeat: the dashboard's workers table
+                    while True:
+                        warm, leased = sandbox_counts(sandboxes)
+                        await send(w.WorkerLoad(attempts_running=worker.metrics.running, sandboxes_warm=warm,
+                                                sandboxes_leased=leased))
+                        await trio.sleep(reply.heartbeat_s)
+
+                async with trio.open_nursery() as load:
+                    load.start_soon(report_load)
+                    await _conversation(ws, codec, wid, reply.heartbeat_s, send, remote, run_task, log)
+                    load.cancel_scope.cancel()
         except (ConnectionClosed, DaemonSilent, OSError) as exc:
             _log(log, "warning", "connection ended", why=f"{type(exc).__name__}: {exc}")
         except BaseExceptionGroup as group:

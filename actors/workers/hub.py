@@ -25,6 +25,8 @@ saying why). Per connected worker:
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
 from contextlib import aclosing
 from typing import Any
 
@@ -34,6 +36,7 @@ from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
+from fleetrl.actors.envworker.fleet_row import WorkerRow
 from fleetrl.actors.envworker.pacing import Paced
 from fleetrl.actors.envworker.worker import group_id_of
 from fleetrl.actors.pool.remote_server import CLOSE_POLICY, close_after_peer, read_hello, receive_frame
@@ -63,16 +66,59 @@ class HubStatistics(msgspec.Struct, frozen=True, kw_only=True):
     groups: int
     """Groups received and forwarded."""
     cursor_floor: int
+    worker_rows: tuple[WorkerRow, ...] = ()
+    """Each connected worker (by id), then the latest that left (`KEPT_GONE`), newest
+    first: what the hub sees of them (their sandboxes are on their own hosts and not
+    reported; the limit is ``sandbox.max_containers``, which every worker runs under)."""
+
+
+KEPT_GONE = 16
+"""Workers that left (or were lost) still listed in ``worker_rows``."""
+
+
+def _id_order(worker_id: str) -> tuple[int, str]:
+    """``worker-2`` before ``worker-10``."""
+    tail = worker_id.rsplit("-", 1)[-1]
+    return (int(tail) if tail.isdigit() else 0, worker_id)
 
 
 class _Link:
     """One connected worker."""
 
-    def __init__(self, worker_id: str, send: Any, groups: int) -> None:
+    def __init__(self, worker_id: str, send: Any, groups: int, *, name: str = "", address: str = "") -> None:
         self.worker_id = worker_id
         self.send = send
         self.free = trio.Semaphore(groups)
         self.assigned: set[int] = set()
+        self.name = name
+        self.address = address
+        self.ready = False
+        self.last_seen = time.monotonic()
+        self.groups: dict[str, int] = {}
+        """Its groups that ended, by outcome (`WorkerRow.groups`)."""
+        self.failures: dict[str, int] = {}
+        """Its failed attempts forwarded, by kind."""
+        self.load: w.WorkerLoad | None = None
+        """What it last said it runs (None: nothing yet)."""
+
+    def ended(self, outcome: str, n: int = 1) -> None:
+        self.groups[outcome] = self.groups.get(outcome, 0) + n
+
+    def row(self, *, limit: int, draining: bool, ended: str | None = None) -> WorkerRow:
+        """This worker as a `WorkerRow` (``ended``: why its connection ended)."""
+        if ended is not None:
+            health = "left" if ended.startswith("left") else "lost"
+        else:
+            health = "draining" if draining else "up" if self.ready else "joining"
+        load = None if ended is not None else self.load
+        return WorkerRow(worker=self.worker_id, host=self.name, remote=True, address=self.address,
+                         groups_running=0 if ended is not None else len(self.assigned), groups=dict(self.groups),
+                         failures=dict(self.failures),
+                         attempts_running=None if load is None else load.attempts_running,
+                         sandboxes_warm=None if load is None else load.sandboxes_warm,
+                         sandboxes_leased=None if load is None else load.sandboxes_leased,
+                         sandboxes_limit=limit, health=health,
+                         last_seen_s=round(max(0.0, time.monotonic() - self.last_seen), 3), ended=ended)
 
 
 class Hub:
@@ -96,6 +142,8 @@ class Hub:
         self.may_join = may_join
         self.settings = msgspec.msgpack.encode(cfg)
         self.links: dict[str, _Link] = {}
+        self.gone: deque[tuple[_Link, str]] = deque(maxlen=KEPT_GONE)
+        """The latest workers whose connection ended, and why (newest last)."""
         self._ids = itertools.count(1)
         self._admissions = itertools.count(1)
         self._take = trio.Lock()
@@ -112,7 +160,15 @@ class Hub:
     def statistics(self) -> HubStatistics:
         return HubStatistics(workers=len(self.links), joined=self.joined, lost=self.lost,
                              tasks_assigned=self.assigned, tasks_held=len(self.book.held), reruns=self.book.reruns,
-                             groups=self.groups, cursor_floor=self.book.cursor.floor)
+                             groups=self.groups, cursor_floor=self.book.cursor.floor, worker_rows=self.rows())
+
+    def rows(self) -> tuple[WorkerRow, ...]:
+        """`HubStatistics.worker_rows`."""
+        limit, draining = self.cfg.sandbox.max_containers, bool(self.ctx.draining)
+        live = [link.row(limit=limit, draining=draining) for _, link in sorted(self.links.items(),
+                                                                               key=lambda kv: _id_order(kv[0]))]
+        gone = [link.row(limit=limit, draining=draining, ended=why) for link, why in reversed(self.gone)]
+        return tuple(live + gone)
 
     def app(self) -> Starlette:
         return Starlette(routes=[WebSocketRoute("/join", self.join)])
@@ -191,6 +247,7 @@ class Hub:
             return f"group {msg.group_id!r} names task {msg.task_id!r}, not {held.task.id!r}"
         self.book.hand_in(held.index, link.worker_id)
         self.groups += 1
+        link.ended("emitted")
         self.delivering += 1
         paced = held.paced
         if paced is not None and self.pacing is not None:
@@ -226,10 +283,12 @@ class Hub:
         if msg.outcome == "abandoned":
             held = self.book.requeue(msg.index, link.worker_id)
             if held is not None:
+                link.ended("abandoned")
                 self.requeued(held, "the worker gave it up")
         else:
             held = self.book.finish(msg.index, link.worker_id)  # None: its group came first
             if held is not None:
+                link.ended("incomplete")  # finished without a group: too many failed attempts
                 self._unpace(held, None)
         return None
 
@@ -276,7 +335,9 @@ class Hub:
             return
         wid = f"worker-{next(self._ids)}"
         key = new_key()
-        link = _Link(wid, send, hello.groups)
+        client = ws.client
+        link = _Link(wid, send, hello.groups, name=hello.name,
+                     address=f"{client.host}:{client.port}" if client is not None else "")
         why = "connection closed"
         scope = trio.CancelScope()
         self.scopes.add(scope)
@@ -295,12 +356,15 @@ class Hub:
             why = f"{type(exc).__name__}: {exc}"
         finally:
             self.scopes.discard(scope)
-            self.links.pop(wid, None)
+            listed = self.links.pop(wid, None) is not None
             gone = self.book.lost(wid)
             for held in gone:
                 self.requeued(held, f"worker {wid} lost: {why}")
             if gone:
                 self.lost += 1
+                link.ended("abandoned", len(gone))
+            if listed:
+                self.gone.append((link, why))
             self.log.info("worker left", worker=wid, why=why, requeued=[h.index for h in gone])
             with trio.CancelScope(shield=True):
                 try:
@@ -336,6 +400,7 @@ class Hub:
                 if data is None:
                     why = f"silent for {cfg.heartbeat_timeout_s} s (or disconnected)"
                     break
+                link.last_seen = time.monotonic()
                 try:
                     msg = codec.decode(data)
                 except BadMessage as exc:
@@ -352,15 +417,18 @@ class Hub:
                         problem = (f"failure of attempt {msg.attempt_id!r}: group {msg.group_id!r} is not "
                                    "held by this worker")
                     else:
+                        link.failures[msg.reason] = link.failures.get(msg.reason, 0) + 1
                         await self.failures_out.send(msg)
                 elif isinstance(msg, w.TaskEnded):
                     problem = self.task_ended(link, msg)
                 elif isinstance(msg, m.Leave):
                     why = f"left: {msg.reason}"
                     break
+                elif isinstance(msg, w.WorkerLoad):
+                    link.load = msg
                 elif isinstance(msg, m.Heartbeat):
                     if not ready:  # the first one: its harness and sandboxes are ready
-                        ready = True
+                        ready = link.ready = True
                         nursery.start_soon(self.assign, link)
                 elif isinstance(msg, Rejected):
                     self.log.warning("worker rejected a message", worker=link.worker_id, kind=msg.kind,

@@ -2,7 +2,11 @@
 ``actors_module``): it publishes the tiny model's weights as ``versions`` versions, one
 every ``every_s`` seconds, announcing each to the pool, and writes what a trainer and an
 evaluator write for each: a metrics.jsonl row and, every other version, an eval.jsonl
-row of the fresh split."""
+row of the fresh split.
+
+`by_hand_worker`: a remote environment worker spoken by hand (no Docker, no harness): it
+joins the remote workers actor, says it is ready, holds the task it is given and beats
+until cancelled, so the workers table has a remote worker that is ``up``."""
 
 from __future__ import annotations
 
@@ -64,3 +68,37 @@ async def trainer(cfg: TrainerConfig, ctx: Any, *, task_status: Any = trio.TASK_
                                     "time": 0.0}) + "\n")
         ctx.log.warning("a warning the events list shows", version=v)
     await ctx.wait_draining()
+
+
+async def by_hand_worker(url: str, token: str, *, name: str = "by-hand",
+                         task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Join the workers actor at `url` (``ws://.../workers/join``) with a worker `token`,
+    be ready (a first heartbeat), then read and drop what comes (the task it holds) and
+    beat until cancelled or the daemon hangs up; `task_status.started` gets the worker id
+    once it is ready."""
+    from trio_websocket import ConnectionClosed
+
+    from fleetrl.actors.pool.remote_client import connect
+    from fleetrl.daemon import messages as m
+    from fleetrl.daemon import worker_messages as w
+
+    codec = w.WORKERS
+    async with connect(url) as ws:
+        await ws.send_message(codec.encode(w.WorkerJoin(token=token, name=name, groups=1)))
+        welcome = codec.decode(await ws.get_message())
+        assert isinstance(welcome, w.WorkerWelcome), welcome
+        assert isinstance(codec.decode(await ws.get_message()), w.HarnessShipped)
+
+        async def beat() -> None:
+            while True:
+                await ws.send_message(codec.encode(m.Heartbeat(sampler_id=welcome.worker_id, sent_at=0.0)))
+                await trio.sleep(min(0.5, welcome.heartbeat_s))
+
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(beat)
+                task_status.started(welcome.worker_id)
+                while True:
+                    await ws.get_message()
+        except* ConnectionClosed:  # the daemon is shutting down
+            pass

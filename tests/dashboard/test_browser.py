@@ -1,9 +1,11 @@
 """The dashboard as a person sees it, in headless Chromium (Debian's package) against a
 running daemon: a sampler pool of three torch samplers (fp32, bf16, fp8) following a fake
-trainer's weight versions, which also writes metrics and held-out results. Without the
-token the page shows the log-in form and no data; after logging in the charts fill and
-change as training goes on, the fleet table lists the three samplers at the versions the
-pool holds, and the events list shows the run's warnings; screenshots are taken."""
+trainer's weight versions, which also writes metrics and held-out results, and the remote
+workers actor with one worker joined by hand. Without the token the page shows the log-in
+form and no data; after logging in the charts fill and change as training goes on, the
+fleet table lists the three samplers at the versions the pool holds, the environment
+workers table the remote worker holding its task, and the events list shows the run's
+warnings; screenshots are taken."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import trio
 from browser import chromium
 
 from fleetrl.daemon.config import load_config_text
+from fleetrl.daemon.credentials import CredentialStore
 from fleetrl.daemon.logs import close_logging, configure_logging
 from fleetrl.daemon.state import StateDir, read_control
 from fleetrl.daemon.supervisor import Supervisor
@@ -56,7 +59,20 @@ after = ["trainer"]
 weights_dir = "{weights}"
 join = false
 max_staleness = 100
-{samplers}"""
+{samplers}
+[actors.remote]
+factory = "fleetrl.actors.workers:run"
+after = ["pool"]
+[actors.remote.config]
+target = "trainer"
+model = {{kind = "pool", tokenizer_dir = "{model_dir}", pacing = false}}
+harness = "fleetrl.harness.builtin:CompletionHarness"
+tasks = {{kind = "synthetic", seed = 1}}
+group_size = 2
+heartbeat_s = 0.5
+heartbeat_timeout_s = 5.0
+sandbox = {{max_warm = 2, max_containers = 4}}
+"""
 
 
 PIXELS = """(() => { const c = document.getElementById(ID); const d = c.getContext('2d')
@@ -65,8 +81,14 @@ PIXELS = """(() => { const c = document.getElementById(ID); const d = c.getConte
 
 
 async def test_a_person_logs_in_and_watches_the_run(tmp_path, tiny_model_dir, actors_module):
-    actors_module("dashboard_test_actors")
+    test_actors = actors_module("dashboard_test_actors")
     state = StateDir(tmp_path / "state").open()
+    _, worker_token = CredentialStore(state.path).create("worker")
+    peer = trio.CancelScope()
+
+    async def by_hand(url: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with peer:
+            await test_actors.by_hand_worker(url, worker_token, task_status=task_status)
     # the daemon's log file, as `fleetrl serve` writes it: the events list reads it
     configure_logging(level="info", fmt="json", run_id=state.run_id, log_dir=state.logs, stream=io.StringIO(),
                       console="none")
@@ -78,7 +100,9 @@ async def test_a_person_logs_in_and_watches_the_run(tmp_path, tiny_model_dir, ac
         async with trio.open_nursery() as n:
             await n.start(partial(sup.run, handle_signals=False))
             await sup.wait_handle("pool")
+            await sup.wait_handle("remote")
             _, port = read_control(state.path)
+            wid = await n.start(by_hand, f"ws://127.0.0.1:{port}/workers/join")
             async with chromium(tmp_path / "chromium") as page:
                 await page.goto(f"http://127.0.0.1:{port}/ui")  # no slash: the page adds it
                 await page.wait_for("document.body.dataset.state === 'login'")
@@ -111,6 +135,18 @@ async def test_a_person_logs_in_and_watches_the_run(tmp_path, tiny_model_dir, ac
                     "torch-bf16": VERSIONS, "torch-fp32": VERSIONS, "torch-fp8": VERSIONS}
                 assert {row[3] for row in table} == {"float32", "bfloat16", "float8_e4m3fn"}
                 assert all(row[10] == "up" for row in table)
+                # the environment workers table: the remote worker, up, holding the task it was given
+                try:
+                    await page.wait_for(f"[...document.querySelectorAll('#workers tbody tr')].some(r => "
+                                        f"r.cells[0].textContent === {wid!r} && r.cells[4].textContent === '1' "
+                                        f"&& r.cells[9].textContent === 'up')", 60)
+                except trio.TooSlowError:
+                    raise AssertionError(await page.eval("document.getElementById('workers').outerHTML")
+                                         + repr(sup.status()["actors"]["remote"]["statistics"])) from None
+                (worker,) = await page.eval("[...document.querySelectorAll('#workers tbody tr')]"
+                                            ".map(r => [...r.cells].map(c => c.textContent))")
+                assert worker[1] == "remote" and worker[2].startswith("by-hand (127.0.0.1:")
+                assert worker[3] == "-" and worker[7] == "- / - / 4" and worker[8].endswith(" s ago")
                 for chart in ("chart-pass", "chart-reward_mean", "chart-grad_norm", "chart-kl", "chart-delta_ratio",
                               "chart-staleness_mean", "chart-usd_per_rollout"):
                     drawn = await page.eval(PIXELS.replace("ID", repr(chart)))
@@ -120,6 +156,7 @@ async def test_a_person_logs_in_and_watches_the_run(tmp_path, tiny_model_dir, ac
                 png = await page.screenshot(shots / "dashboard.png")
                 assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
                 assert state.token not in await page.eval("document.documentElement.outerHTML")
+            peer.cancel()  # it hangs up: its task is requeued and the drain does not wait for it
             sup.request_shutdown("test")
     close_logging()
     assert state.token not in (state.logs / "daemon.jsonl").read_text()  # never logged, in no URL either

@@ -213,6 +213,16 @@ drain_grace_s = 0.5
                     await trio.sleep(0.2)
                 while len(containers_of(state.path)) < 2:  # both attempts hold a sandbox
                     await trio.sleep(0.2)
+
+                def env_row() -> dict:  # the worker's row in /status (the dashboard's workers table)
+                    rows = (sup.status()["actors"]["env"]["statistics"] or {}).get("worker_rows") or [{}]
+                    return rows[0]
+                while env_row().get("sandboxes_leased") != 2:
+                    await trio.sleep(0.2)
+                row = env_row()
+                assert row["worker"] == "env" and row["remote"] is False and row["health"] == "up"
+                assert row["attempts_running"] == 2 and row["groups_running"] == 1
+                assert row["sandboxes_limit"] == 64 and row["groups"] == {} and row["failures"] == {}
                 sup.request_shutdown("test")
     assert not containers_of(state.path)
     assert len(got) == 2 and all(isinstance(m, RolloutFailed) and m.reason == "timeout" for m in got)

@@ -89,6 +89,12 @@ async def test_the_hub_refuses_and_rejects_what_is_wrong_and_requeues_a_dropped_
                 with trio.move_on_after(1.5):  # not ready yet: no task
                     assert not isinstance(await _next(ws), w.TaskAssigned)
                 assert hub.statistics().tasks_assigned == 0
+                (joining,) = hub.statistics().worker_rows  # its row in /status: not ready yet
+                assert (joining.worker, joining.host, joining.remote, joining.health) == (
+                    welcome.worker_id, "by-hand", True, "joining")
+                assert joining.address.startswith("127.0.0.1:") and joining.sandboxes_limit == 4
+                assert joining.groups_running == 0 and joining.attempts_running is None
+                assert joining.sandboxes_warm is None and joining.sandboxes_leased is None  # on its own host
 
                 await ws.send_message(CODEC.encode(m.Heartbeat(sampler_id=welcome.worker_id, sent_at=0.0)))
                 assigned = await _next(ws)
@@ -114,6 +120,24 @@ async def test_the_hub_refuses_and_rejects_what_is_wrong_and_requeues_a_dropped_
                 assert isinstance(rejected, Rejected) and "task 7 is not assigned" in rejected.detail
                 assert not test_actors.RECEIVED["trained"] and not test_actors.RECEIVED["trained/failed"]
                 assert len(hub.book.held) == 1
+                # a failure of the task it holds is forwarded and counted in its row, by kind
+                await ws.send_message(CODEC.encode(m.RolloutFailed(
+                    attempt_id="parity-0#0@remote/1.1", task_id="parity-0", reason="sandbox_error", detail="",
+                    group_id="parity-0#0@remote")))
+                with trio.fail_after(30):
+                    while not test_actors.RECEIVED["trained/failed"]:
+                        await trio.sleep(0.05)
+                # what it says it runs shows in its row
+                await ws.send_message(CODEC.encode(w.WorkerLoad(attempts_running=3, sandboxes_warm=1,
+                                                                sandboxes_leased=2)))
+                with trio.fail_after(30):
+                    while hub.statistics().worker_rows[0].attempts_running is None:
+                        await trio.sleep(0.05)
+                (up,) = hub.statistics().worker_rows
+                assert (up.attempts_running, up.sandboxes_warm, up.sandboxes_leased) == (3, 1, 2)
+                assert up.health == "up" and up.groups_running == 1 and up.groups == {}
+                assert up.failures == {"sandbox_error": 1}  # the rejected ones are not counted
+                assert up.last_seen_s is not None and up.last_seen_s >= 0
             finally:
                 await cm.__aexit__(None, None, None)  # hangs up holding task 0
 
@@ -128,6 +152,11 @@ async def test_the_hub_refuses_and_rejects_what_is_wrong_and_requeues_a_dropped_
                 again = await _next(ws)
                 assert isinstance(again, w.TaskAssigned) and again.index == 0  # the same task, the same number
                 assert hub.statistics().reruns == 1
+                second, first = hub.statistics().worker_rows  # the live worker, then the one that hung up
+                assert (second.worker, second.health, second.groups_running) == (welcome.worker_id, "up", 1)
+                assert first.worker != second.worker and first.health == "lost" and first.ended
+                assert first.groups == {"abandoned": 1} and first.failures == {"sandbox_error": 1}
+                assert first.groups_running == 0 and first.attempts_running is None  # gone: runs nothing
             finally:
                 await cm.__aexit__(None, None, None)
             sup.request_shutdown("test")

@@ -180,6 +180,12 @@ async def test_a_killed_worker_s_tasks_finish_on_another_exactly_once_and_leave_
             assert "wrong worker token" in workers.log("sampler-token")
             await _until(lambda: any(h.worker == "worker-1" for h in hub.book.held.values()) and len(got) >= 1,
                          "worker a holds a task after the first group arrived", 120, workers)
+            # each worker reports what it runs on its host: attempts, its sandboxes (the workers table)
+            await _until(lambda: all(r.sandboxes_warm is not None for r in hub.statistics().worker_rows),
+                         "both workers' loads", 60, workers)
+            rows = {r.worker: r for r in hub.statistics().worker_rows}
+            assert set(rows) == {"worker-1", "worker-2"} and all(r.health == "up" for r in rows.values())
+            assert all(r.attempts_running is not None and r.sandboxes_leased is not None for r in rows.values())
             os.killpg(a.pid, signal.SIGKILL)  # the worker host's process dies mid-run
             await trio.to_thread.run_sync(a.wait)
             await _until(lambda: len(got) >= TASKS, f"all {TASKS} groups", 300, workers)

@@ -100,6 +100,13 @@ function render(s) {
   $("fleet").tBodies[0].replaceChildren(...s.fleet.map(f => row(
     [f.sampler, f.backend, f.device, f.dtype, f.version, f.lag, `${f.queue}/${f.capacity}`, fmt(f.tokens_per_s, 1),
      fmt(f.usd_per_1k_tokens, 5), fmt(f.mismatch_kl), f.health], [,,,,,,,,,, f.health])));
+  const counts = (d) => Object.entries(d || {}).map(([k, v]) => `${k}=${v}`).join(" ");
+  $("workers").tBodies[0].replaceChildren(...(s.workers || []).map(w => row(
+    [w.worker, w.actor, w.address ? `${w.host} (${w.address})` : w.host, fmt(w.attempts_running),
+     fmt(w.groups_running), counts(w.groups), counts(w.failures),
+     `${fmt(w.sandboxes_warm)} / ${fmt(w.sandboxes_leased)} / ${fmt(w.sandboxes_limit)}`,
+     typeof w.last_seen_s === "number" ? `${w.last_seen_s.toFixed(1)} s ago` : "-",
+     w.ended ? `${w.health} (${w.ended})` : w.health], [,,,,,,,,, w.health])));
   $("actors").tBodies[0].replaceChildren(...Object.entries(s.actors).map(([name, a]) => row(
     [name, a.state, a.restarts, Object.entries(a.versions || {}).map(([k, v]) => `${k}=${v}`).join(" "),
      a.last_error || ""], [, a.state])));
