@@ -107,14 +107,18 @@ async def run(cfg: DashboardConfig, ctx: ActorContext, *,
         return all(a.get("state") in _ENDED for name, a in (status.get("actors") or {}).items() if name != ctx.name)
 
     ctx.log.info("dashboard serving", path=f"{cfg.prefix}/")
+    sent_up_to = -1  # the last step of the series already published
     task_status.started(handle)
     while True:
         t0 = time.perf_counter()
         await trio.to_thread.run_sync(files.read)
         status = ctx.daemon_status()
-        snap = snapshot(status, files.series, eval_points(files.eval_rows), fleet_of(status, cfg.pool),
-                        reversed(files.events), seq=feed.seq + 1)
-        feed.publish(msgspec.json.encode(snap))
+        parts = (status, files.series, eval_points(files.eval_rows), fleet_of(status, cfg.pool),
+                 list(reversed(files.events)))
+        whole = msgspec.json.encode(snapshot(*parts, seq=feed.seq + 1))
+        tick = None if feed.seq == 0 else msgspec.json.encode(snapshot(*parts, seq=feed.seq + 1, since=sent_up_to))
+        feed.publish(whole, tick)
+        sent_up_to = files.series.steps[-1] if files.series.steps else -1
         handle.refresh_ms = (time.perf_counter() - t0) * 1e3
         if ctx.draining and others_ended(status):
             break

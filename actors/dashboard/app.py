@@ -6,8 +6,11 @@
 * ``POST /login`` (form field ``token``: the daemon's control token): a session cookie
   (``HttpOnly``, ``SameSite=Strict``, ``Secure`` over TLS), then 303 to the page; a wrong
   token: 401 with the form's error. ``POST /logout`` ends the session.
-* ``GET /events``: server-sent events, one ``snapshot`` event per refresh (the JSON of
-  `snapshot.snapshot`); ``GET /snapshot``: the latest one as JSON.
+* ``GET /events``: server-sent events: a ``snapshot`` event (the JSON of
+  `snapshot.snapshot`) first, then a ``tick`` per refresh, the same object with only the
+  series' new steps (the page appends them), or a whole ``snapshot`` again when the stream
+  missed a refresh; ``GET /snapshot``: the latest whole one as JSON. A tick keeps the
+  bytes per page and refresh small however long the run's charts are.
 * ``GET /rollouts?task=&reward_min=&reward_max=&failure=&limit=``: the rollout log's
   groups, newest first (`rollouts.list_groups`); ``GET /rollouts/{n}``: group ``n`` laid
   out for the rollout browser (`rollouts.group_view`; 404 once the log no longer keeps it).
@@ -35,16 +38,20 @@ _TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html; cha
 
 
 class Feed:
-    """The latest snapshot (JSON bytes) and a wake-up for the streams waiting for the next."""
+    """The latest snapshot (JSON bytes), the same as a tick (its series hold only the steps
+    the snapshot before it did not: None when there is no such snapshot), and a wake-up
+    for the streams waiting for the next."""
 
     def __init__(self) -> None:
         self.data = b"{}"
+        self.tick: bytes | None = None
         self.seq = 0
         self._next = trio.Event()
         self.streams = 0
 
-    def publish(self, data: bytes) -> None:
+    def publish(self, data: bytes, tick: bytes | None = None) -> None:
         self.data = data
+        self.tick = tick
         self.seq += 1
         self._next.set()
         self._next = trio.Event()
@@ -133,8 +140,12 @@ def dashboard_app(feed: Feed, sessions: Sessions, may_log_in: Any, rollouts: Rol
                     if feed.seq == seq:
                         yield b": keep-alive\n\n"
                         continue
-                    seq = feed.seq
-                    yield b"event: snapshot\ndata: " + feed.data + b"\n\n"
+                    if feed.seq == seq + 1 and feed.tick is not None:
+                        seq = feed.seq
+                        yield b"event: tick\ndata: " + feed.tick + b"\n\n"
+                    else:
+                        seq = feed.seq
+                        yield b"event: snapshot\ndata: " + feed.data + b"\n\n"
             finally:
                 feed.streams -= 1
 

@@ -78,9 +78,16 @@ class Series:
             q.append(_finite(kl.get(kind)))
         self.last = {k: row.get(k) for k in ("step", "version", "skipped", "tokens_per_s", "groups", "cost_usd")}
 
-    def as_json(self) -> dict[str, Any]:
-        return {"steps": list(self.steps), **{k: list(v) for k, v in self.values.items()},
-                "kl_by_sampler": {k: list(v) for k, v in sorted(self.kl_by_sampler.items())}, "last": self.last}
+    def as_json(self, since: int | None = None) -> dict[str, Any]:
+        """Every kept point; with ``since`` (a step), only the points after it (a page
+        that holds the earlier ones appends them and keeps the last ``points``)."""
+        n = len(self.steps) if since is None else sum(1 for s in self.steps if s > since)
+
+        def tail(q: deque) -> list:
+            return list(q)[len(q) - n:] if n else []
+        return {"steps": tail(self.steps), **{k: tail(v) for k, v in self.values.items()},
+                "kl_by_sampler": {k: tail(v) for k, v in sorted(self.kl_by_sampler.items())}, "last": self.last,
+                "points": self.points}
 
 
 def eval_points(rows: Iterable[Mapping[str, Any]]) -> dict[str, list[dict[str, float]]]:
@@ -143,8 +150,9 @@ def event_of(line: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def snapshot(status: Mapping[str, Any], series: Series, evals: Mapping[str, Any], fleet: list[dict[str, Any]],
-             events: Iterable[Mapping[str, Any]], *, seq: int) -> dict[str, Any]:
-    """The JSON object sent to every page at each refresh."""
+             events: Iterable[Mapping[str, Any]], *, seq: int, since: int | None = None) -> dict[str, Any]:
+    """The JSON object sent to every page at each refresh; with ``since``, its series
+    hold only the steps after that one (`Series.as_json`): the stream's ``tick``."""
     actors = status.get("actors") or {}
     return {
         "seq": seq,
@@ -152,7 +160,7 @@ def snapshot(status: Mapping[str, Any], series: Series, evals: Mapping[str, Any]
         "actors": {name: {"state": a.get("state"), "restarts": a.get("restarts"), "last_error": a.get("last_error"),
                           "versions": a.get("versions"), "statistics": a.get("statistics")}
                    for name, a in actors.items()},
-        "series": series.as_json(),
+        "series": series.as_json(since),
         "evals": evals,
         "fleet": fleet,
         "workers": workers_of(status),

@@ -151,6 +151,11 @@ async def test_a_person_logs_in_and_watches_the_run(tmp_path, tiny_model_dir, ac
                               "chart-staleness_mean", "chart-usd_per_rollout"):
                     drawn = await page.eval(PIXELS.replace("ID", repr(chart)))
                     assert drawn > 300, (chart, drawn)  # axes alone draw fewer
+                # the page built its series from one snapshot and then ticks (the new steps
+                # only): they are the series of the whole snapshot, point for point
+                await page.wait_for("fetch('snapshot').then(r => r.json()).then(s => JSON.stringify(s.series) === "
+                                    "JSON.stringify(window.fleetrlSeries))", 30)
+                assert await page.eval("window.fleetrlSeries.steps.length") >= 3
                 events = await page.eval("document.getElementById('events').textContent")
                 assert "a warning the events list shows" in events
                 png = await page.screenshot(shots / "dashboard.png")

@@ -87,14 +87,27 @@ async def test_login_cookie_data_routes_and_the_live_stream(tmp_path):
                     metrics.write_text("".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n"
                                                for s in (1, 2)))
                     logged_out = False
+                    kind, steps, ticks, wrote = "", [], [], False
                     async for line in stream.aiter_lines():  # ends when the session does
+                        if line.startswith("event: "):
+                            kind = line[7:]
                         if line.startswith("data: "):
                             seen.append(json.loads(line[6:]))
-                            if seen[-1]["series"]["steps"] == [1, 2] and not logged_out:
+                            new = seen[-1]["series"]["steps"]
+                            # a snapshot holds the whole series, a tick only the steps after the last event's
+                            steps = new if kind == "snapshot" else steps + new
+                            if kind == "tick":
+                                ticks.append(new)
+                            if steps == [1, 2] and not wrote:
+                                wrote = True
+                                with metrics.open("a") as fh:
+                                    fh.write(json.dumps({"step": 3, "reward_mean": 0.3}) + "\n")
+                            if steps == [1, 2, 3] and not logged_out:
                                 async with httpx.AsyncClient(cookies=cookies) as other:
                                     await other.post(base + "/logout")
                                 logged_out = True
                 assert logged_out and len(seen) >= 2 and seen[-1]["seq"] > seen[0]["seq"]
+                assert [3] in ticks and all(t in ([], [1], [2], [1, 2], [3]) for t in ticks), ticks
                 assert (await c.get(base + "/snapshot")).status_code == 401  # the session ended
             sup.request_shutdown("test")
     logged = (state.path / "logs" / "daemon.jsonl").read_text() if (state.path / "logs" / "daemon.jsonl").exists() \

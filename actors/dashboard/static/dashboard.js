@@ -120,6 +120,23 @@ function render(s) {
   document.body.dataset.updates = String(Number(document.body.dataset.updates) + 1);
 }
 
+// the held series with a tick's new steps appended, each array cut to the last `points`
+function appendSeries(held, tick) {
+  const n = held.steps.length, keep = tick.points || 2000;
+  const grow = (old, add) => (old || new Array(n).fill(null)).concat(add).slice(-keep);
+  const out = {};  // the keys in the server's order, so that it reads as the whole snapshot's series
+  for (const [k, v] of Object.entries(tick)) {
+    if (Array.isArray(v)) out[k] = grow(held[k], v);
+    else if (k !== "kl_by_sampler") out[k] = v;
+    else {
+      out[k] = {};
+      const kinds = [...new Set([...Object.keys(held.kl_by_sampler || {}), ...Object.keys(v)])].sort();
+      for (const kind of kinds) out[k][kind] = grow((held.kl_by_sampler || {})[kind], v[kind] || new Array(tick.steps.length).fill(null));
+    }
+  }
+  return out;
+}
+
 function showLogin(failed) {
   document.body.dataset.state = "login";
   $("login").hidden = false; $("dashboard").hidden = true; $("logout").hidden = true;
@@ -130,7 +147,14 @@ function start() {
   document.body.dataset.state = "live";
   $("login").hidden = true; $("dashboard").hidden = false; $("logout").hidden = false;
   const events = new EventSource("events");
-  events.addEventListener("snapshot", (e) => render(JSON.parse(e.data)));
+  let held = null;  // the series so far: a tick carries only the new steps
+  events.addEventListener("snapshot", (e) => {
+    const s = JSON.parse(e.data); held = window.fleetrlSeries = s.series; render(s);
+  });
+  events.addEventListener("tick", (e) => {
+    const s = JSON.parse(e.data);
+    if (held) { s.series = appendSeries(held, s.series); held = window.fleetrlSeries = s.series; render(s); }
+  });
   events.onerror = () => { document.body.dataset.state = "reconnecting"; };
   events.onopen = () => { document.body.dataset.state = "live"; };
 }
