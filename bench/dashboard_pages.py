@@ -69,6 +69,7 @@ from fleetrl.actors.runs.serve import MetricsTail, serve_command
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "common"))
 from browser import Page, chromium_binary  # noqa: E402  (tests/common/browser.py: one tab over CDP)
+from cpu import cpu_model  # noqa: E402  (bench/cpu.py)
 
 ARMS = ("none", "streams", "browsers")
 POLL_S = 5.0
@@ -84,14 +85,7 @@ def say(line: str) -> None:
 
 
 def machine() -> dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     try:
         chromium = subprocess.run([chromium_binary(), "--version"], capture_output=True, text=True,
                                   timeout=30).stdout.strip()

@@ -57,13 +57,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from cpu import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 1.5
@@ -76,15 +77,7 @@ def say(line: str) -> None:
 
 def machine() -> str:
     """The CPU model and core count (what the figures depend on)."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 # -- memory --------------------------------------------------------------------------

@@ -1,0 +1,18 @@
+"""The CPU a benchmark ran on (its figures depend on it): shared by the bench scripts,
+which run as ``python bench/NAME.py`` (this folder is on their import path)."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what `platform` knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
