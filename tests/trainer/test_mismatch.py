@@ -139,12 +139,12 @@ def test_rank_parts_of_a_batch_combine_to_the_whole(groups):
     from fleetrl.actors.trainer.step import _mismatch_sums
 
     model, batch = _setup(groups)
-    band = (0.5, 5.0)
+    band = CorrectionConfig(mask_low=0.5, mask_high=5.0)
     with torch.no_grad():
         def measure(b):
             s = _Sums()
             logits = model.w[b.input_ids].gather(1, b.positions.unsqueeze(-1).expand(-1, -1, V))
-            _mismatch_sums(logits, b, s, band)
+            _mismatch_sums(logits, b, s, band, None)
             return s
 
         whole = measure(batch)
