@@ -113,11 +113,11 @@ async def run(cfg: DashboardConfig, ctx: ActorContext, *,
         t0 = time.perf_counter()
         await trio.to_thread.run_sync(files.read)
         status = ctx.daemon_status()
-        parts = (status, files.series, eval_points(files.eval_rows), fleet_of(status, cfg.pool),
-                 list(reversed(files.events)))
-        whole = msgspec.json.encode(snapshot(*parts, seq=feed.seq + 1))
-        tick = None if feed.seq == 0 else msgspec.json.encode(snapshot(*parts, seq=feed.seq + 1, since=sent_up_to))
-        feed.publish(whole, tick)
+        snap = snapshot(status, files.series, eval_points(files.eval_rows), fleet_of(status, cfg.pool),
+                        reversed(files.events), seq=feed.seq + 1)
+        # the tick: the same snapshot with only the series' steps after those already sent
+        tick = None if feed.seq == 0 else {**snap, "series": files.series.as_json(since=sent_up_to)}
+        feed.publish(msgspec.json.encode(snap), None if tick is None else msgspec.json.encode(tick))
         sent_up_to = files.series.steps[-1] if files.series.steps else -1
         handle.refresh_ms = (time.perf_counter() - t0) * 1e3
         if ctx.draining and others_ended(status):

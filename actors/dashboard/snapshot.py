@@ -150,9 +150,9 @@ def event_of(line: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def snapshot(status: Mapping[str, Any], series: Series, evals: Mapping[str, Any], fleet: list[dict[str, Any]],
-             events: Iterable[Mapping[str, Any]], *, seq: int, since: int | None = None) -> dict[str, Any]:
-    """The JSON object sent to every page at each refresh; with ``since``, its series
-    hold only the steps after that one (`Series.as_json`): the stream's ``tick``."""
+             events: Iterable[Mapping[str, Any]], *, seq: int) -> dict[str, Any]:
+    """The JSON object sent to every page at each refresh (the stream's ``tick`` is the
+    same with the series of `Series.as_json` ``since`` the last step sent)."""
     actors = status.get("actors") or {}
     return {
         "seq": seq,
@@ -160,7 +160,7 @@ def snapshot(status: Mapping[str, Any], series: Series, evals: Mapping[str, Any]
         "actors": {name: {"state": a.get("state"), "restarts": a.get("restarts"), "last_error": a.get("last_error"),
                           "versions": a.get("versions"), "statistics": a.get("statistics")}
                    for name, a in actors.items()},
-        "series": series.as_json(since),
+        "series": series.as_json(),
         "evals": evals,
         "fleet": fleet,
         "workers": workers_of(status),
