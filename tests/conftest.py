@@ -166,3 +166,15 @@ def actors_module(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureReques
     for module, records in cleared:
         for record in records:
             getattr(module, record).clear()
+
+
+@pytest.fixture(scope="session")
+def real_vocab_model_dir(tmp_path_factory) -> Path:
+    """A ``tiny-151k`` qwen3 model (seed 7): the tiny shape over the real-size
+    151,936-token BPE tokenizer, fp32, about 40 MB, built once per session. Its tokenizer
+    comes from the on-disk tokenizer cache (trained on the machine's first use, about
+    15 s; docs/reference/models.md)."""
+    from fleetrl.actors.model import create_tiny_model, tiny_spec
+
+    return create_tiny_model(tmp_path_factory.mktemp("real-vocab") / "model", "qwen3",
+                             tiny_spec("qwen3", "tiny-151k"), seed=7)

@@ -9,13 +9,13 @@ other Hugging Face-compatible engine load the saved directory unchanged.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Final
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+
+from .tokenizer_files import save_fast_tokenizer
 
 PAD: Final = "<pad>"
 BOS: Final = "<bos>"
@@ -135,18 +135,7 @@ def build_byte_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFas
 
 
 def save_byte_tokenizer(directory: str | os.PathLike[str], model_max_length: int = 4096) -> None:
-    """Write tokenizer.json and tokenizer_config.json into `directory`.
-
-    The config names the class `PreTrainedTokenizerFast` and carries the chat template
-    inline, the layout that both transformers 4.x (which vLLM releases may pin) and 5.x
-    read; transformers 5 would otherwise write its own class name and a separate
-    chat_template.jinja that older readers ignore.
-    """
-    out = Path(directory)
-    build_byte_tokenizer(model_max_length).save_pretrained(os.fspath(out))
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (out / "chat_template.jinja").unlink(missing_ok=True)
+    """Write tokenizer.json and tokenizer_config.json into `directory`, the chat template
+    inline in the config (`tokenizer_files.save_fast_tokenizer`: the layout transformers
+    4.x and 5.x both read)."""
+    save_fast_tokenizer(build_byte_tokenizer(model_max_length), directory, CHAT_TEMPLATE)

@@ -14,8 +14,6 @@ about 3,000 characters.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import msgspec
@@ -27,6 +25,7 @@ from fleetrl.actors.model.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SI
 from .errors import ModelDirError
 from .families import read_model_config
 from .loading import load_master_weights, read_state_dict
+from .saving import save_model_directory
 
 __all__ = [
     "ModelDirError",
@@ -129,27 +128,12 @@ def build_tiny_llama(spec: TinyLlamaSpec = TinyLlamaSpec(), *, seed: int) -> Lla
 def save_tiny_llama(model: PreTrainedModel, directory: str | os.PathLike[str]) -> Path:
     """Save model (safetensors; any family) and byte tokenizer into `directory`, atomically.
 
-    Everything is written into a temporary sibling directory that is renamed into place,
-    so a crash never leaves a half-written model where a cache would find it. An
-    existing directory is replaced.
+    Everything is written into a temporary sibling directory that is renamed into place
+    (`saving.save_model_directory`), so a crash never leaves a half-written model where a
+    cache would find it. An existing directory is replaced.
     """
-    out = Path(directory).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        save_byte_tokenizer(tmp, model_max_length=model.config.max_position_embeddings)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "model")
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    context = model.config.max_position_embeddings
+    return save_model_directory(model, directory, lambda d: save_byte_tokenizer(d, model_max_length=context))
 
 
 def create_tiny_llama(

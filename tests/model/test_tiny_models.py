@@ -119,7 +119,7 @@ def test_cli_refuses_bad_usage_with_exit_2(fleetrl_bin, tmp_path):
     assert bad.returncode == 2
     assert "unknown family 'gpt2'; supported: llama, qwen2, qwen3, mistral" in bad.stderr
     bad = run("--family", "llama", "--size", "huge", "--out", str(tmp_path / "a"))
-    assert bad.returncode == 2 and "unknown size 'huge'; known sizes: tiny" in bad.stderr
+    assert bad.returncode == 2 and "unknown size 'huge'; known sizes: tiny, tiny-151k, 0.6b" in bad.stderr
     assert not (tmp_path / "a").exists()
     keep = tmp_path / "keep"
     keep.mkdir()
