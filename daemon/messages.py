@@ -80,12 +80,20 @@ class SamplingParams(Record):
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     """Nucleus mass in (0, 1]: the support is the shortest most-likely-first prefix reaching it."""
     top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    """Cap on the support size (None: no cap). Bounds the memory of the reported support."""
+    """Cap on the support size (None: the sampler's own cap, ``max_support``, 512 by
+    default: every sampler draws from at most that many tokens, so the record it reports
+    stays bounded at any vocabulary; docs/reference/corrections.md)."""
     stop_ids: tuple[NonNegInt, ...] = ()
     """Token ids that end a sequence; the stop token is generated and reported."""
     seed: int | None = None
     """Seed of the sampling RNG in [0, 2**63): same seed, weights, prompts and params
     give the same tokens. None: the sampler draws one (and reports it in `Generation`)."""
+    whole_vocabulary: bool = False
+    """Draw from the whole vocabulary, past the sampler's cap (only with ``top_p = 1``, no
+    ``top_k`` and ``temperature > 0``): the record then lists the sampler's ``max_support``
+    most likely tokens with the mass outside them (support rule ``"vocabulary"``), and the
+    trainer's centering over it is approximate, within a bound it reports. The sampler
+    pool sets it only where its ``whole_vocabulary`` setting allows."""
 
     def __post_init__(self) -> None:
         # construction from Python skips the Meta constraints above, so they are repeated
@@ -102,6 +110,10 @@ class SamplingParams(Record):
                 raise ValueError(f"SamplingParams.stop_ids[{i}] must be a token id >= 0, got {stop!r}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed!r}")
+        if self.whole_vocabulary and (self.top_p != 1.0 or self.top_k is not None or self.temperature == 0):
+            raise ValueError("SamplingParams.whole_vocabulary draws from every token: it needs top_p = 1, no top_k "
+                             f"and temperature > 0, got top_p={self.top_p!r}, top_k={self.top_k!r}, "
+                             f"temperature={self.temperature!r}")
 
 
 class SamplerIdentity(Record):

@@ -16,6 +16,14 @@ Definitions shared by every sampler backend and the trainer (docs/reference/cont
   ``top_k`` members. ``top_p == 1`` with no ``top_k`` is the whole vocabulary. Tokens
   whose logit is ``-inf`` (probability exactly zero) are never in a support.
 * ``temperature == 0`` is greedy: the support is ``{argmax}`` with ``log q^S = 0``.
+* Whole vocabulary (`vocabulary_listing`, `sample_from_vocabulary`): a sampler that
+  draws from all of ``q`` (no truncation) reports its ``k`` most likely members (same
+  order) with ``log q`` over the vocabulary and the mass ``q`` puts outside them.
+
+Cost at a real vocabulary: with a cap ``top_k`` smaller than the vocabulary only the
+``top_k`` most likely tokens are ever ordered (``torch.topk`` plus an exact tie rule at
+the cut), never the whole row: at V = 151,936 that is what keeps a decode step's support
+cheap (docs/results/real-size.md).
 
 Departure from Hugging Face / vLLM: those apply ``top_k`` first and then take the
 nucleus of the *renormalised* top-k distribution; here the nucleus is taken under the
@@ -35,7 +43,8 @@ from torch import Tensor
 
 from .errors import BadLossInput
 
-__all__ = ["sampler_support", "sample_from_support", "replay_logprobs"]
+__all__ = ["replay_logprobs", "sample_from_support", "sample_from_vocabulary", "sampler_support",
+           "vocabulary_listing"]
 
 
 def _check_sampling_params(temperature: float, top_p: float, top_k: int | None) -> None:
@@ -94,7 +103,10 @@ def sampler_support(
         return ids, torch.zeros(N, 1, dtype=out_dtype, device=device)
 
     lq = torch.log_softmax(z / temperature, dim=-1)
-    lq_sorted, order = torch.sort(lq, dim=-1, descending=True, stable=True)
+    if top_k is not None and top_k < V:
+        lq_sorted, order = _most_likely(lq, top_k)
+    else:
+        lq_sorted, order = torch.sort(lq, dim=-1, descending=True, stable=True)
     if top_p >= 1.0:
         size = n_finite
     else:
@@ -109,6 +121,82 @@ def sampler_support(
     kept_lq = lq_sorted[:, :K].masked_fill(~keep, -math.inf)
     logprobs = kept_lq - torch.logsumexp(kept_lq, dim=-1, keepdim=True)
     return ids, logprobs.to(out_dtype)
+
+
+def _most_likely(lq_NV: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest entries of each row and their ids, in the support order
+    (decreasing value, ties by lower id), without sorting the whole row.
+
+    ``torch.topk`` picks an arbitrary subset of the values tied at the cut; here the
+    tied ids are taken lowest first, so the result equals the first ``k`` of a stable
+    descending sort of the row."""
+    kth = torch.topk(lq_NV, k, dim=-1, sorted=False).values.min(-1, keepdim=True).values
+    above = lq_NV > kth
+    tied = lq_NV == kth
+    room = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(-1) <= room))
+    ids = chosen.nonzero()[:, 1].reshape(lq_NV.shape[0], k)  # ascending ids per row
+    vals = lq_NV.gather(-1, ids)
+    vals, pos = torch.sort(vals, dim=-1, descending=True, stable=True)
+    return vals, ids.gather(-1, pos)
+
+
+def _check_logits(logits_NV: Tensor) -> None:
+    if logits_NV.dim() != 2:
+        raise BadLossInput(f"logits_NV must be 2-D [N, V], got shape {tuple(logits_NV.shape)}")
+    if not logits_NV.is_floating_point():
+        raise BadLossInput(f"logits_NV must be floating point, got {logits_NV.dtype}")
+    bad = torch.isnan(logits_NV) | torch.isposinf(logits_NV)
+    if bad.any():
+        raise BadLossInput(f"logits_NV row {int(bad.any(-1).nonzero()[0, 0])} contains NaN or +inf")
+    none = ~torch.isfinite(logits_NV).any(-1)
+    if none.any():
+        raise BadLossInput(f"logits_NV row {int(none.nonzero()[0, 0])} has no finite logit: nothing can be sampled")
+
+
+def _check_positive_temperature(temperature: float) -> None:
+    _check_sampling_params(temperature, 1.0, None)
+    if temperature == 0:
+        raise BadLossInput("temperature 0 is greedy: its support is the argmax, not the whole vocabulary")
+
+
+def vocabulary_listing(logits_NV: Tensor, *, temperature: float, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """What a sampler drawing from the whole vocabulary reports of each row of ``logits_NV``.
+
+    Returns ``(ids_NK, logq_NK, tail_N)``: the ``k`` most likely tokens of
+    ``q = softmax(z / temperature)`` (fewer where fewer have a finite logit; support
+    order, ``-1`` / ``-inf`` padding), their ``log q`` over the whole vocabulary (not
+    renormalised), and ``tail_N = 1 - sum of their q``, the mass outside the listing
+    (float64, clamped at 0). Log-probs are float64 for float64 input, float32 otherwise.
+    """
+    _check_positive_temperature(temperature)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise BadLossInput(f"k must be an int >= 1, got {k!r}")
+    _check_logits(logits_NV)
+    N, V = logits_NV.shape
+    out_dtype = torch.float64 if logits_NV.dtype == torch.float64 else torch.float32
+    lq = torch.log_softmax(logits_NV.detach().to(torch.float64) / temperature, dim=-1)
+    k = min(k, V)
+    vals, ids = _most_likely(lq, k) if k < V else torch.sort(lq, dim=-1, descending=True, stable=True)
+    finite = torch.isfinite(vals)
+    ids = torch.where(finite, ids, torch.full_like(ids, -1))
+    tail = (1.0 - vals.exp().sum(-1)).clamp(min=0.0)
+    return ids, vals.to(out_dtype), tail
+
+
+def sample_from_vocabulary(logits_NV: Tensor, *, temperature: float,
+                           generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Draw one token per row from ``q = softmax(z / temperature)`` over the whole
+    vocabulary. Returns ``(token_ids [N], their log q [N])`` (float64 for float64 input,
+    float32 otherwise)."""
+    _check_positive_temperature(temperature)
+    _check_logits(logits_NV)
+    out_dtype = torch.float64 if logits_NV.dtype == torch.float64 else torch.float32
+    if logits_NV.shape[0] == 0:
+        return torch.empty(0, dtype=torch.long, device=logits_NV.device), torch.empty(0, dtype=out_dtype)
+    lq = torch.log_softmax(logits_NV.detach().to(torch.float64) / temperature, dim=-1)
+    pick = torch.multinomial(lq.exp(), 1, generator=generator)
+    return pick.squeeze(1), lq.gather(1, pick).squeeze(1).to(out_dtype)
 
 
 def sample_from_support(

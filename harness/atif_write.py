@@ -9,7 +9,8 @@ step with ``llm_call_count: 1`` whose ``metrics`` hold exactly what the trainer 
 (`Trajectory.segments`): ``prompt_token_ids``, ``completion_token_ids``, ``logprobs``
 (the sampler's log q^S of each generated token), token counts and ``cost_usd``, and, in
 ``metrics.extra.fleetrl``, the weight version of each token, the sampler identity, the
-finish reason (and with ``support=True`` the sampler's support CSR).
+finish reason (and with ``support=True`` the sampler's support CSR, base64-packed:
+`SupportCSR.to_json`).
 
 A chat call whose prompt does not extend the steps so far (the harness rewrote its
 history: a retokenisation break) repeats the shared start of the conversation as steps
@@ -156,9 +157,7 @@ def _metrics(seg: TokenSegment, *, support: bool) -> AtifMetrics:
         "finish_reason": seg.finish_reason,
     }
     if support:
-        own["support"] = {"ids": seg.support.ids.to_numpy().tolist(),
-                          "logprobs": seg.support.logprobs.to_numpy().tolist(),
-                          "offsets": seg.support.offsets.to_numpy().tolist()}
+        own["support"] = seg.support.to_json()
     return AtifMetrics(prompt_tokens=len(prompt), completion_tokens=len(tokens), cost_usd=float(seg.cost_usd),
                        prompt_token_ids=prompt, completion_token_ids=tokens,
                        logprobs=[float(x) for x in seg.logprobs.to_numpy().tolist()], extra={"fleetrl": own})

@@ -20,7 +20,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from fleetrl.daemon.messages import Generation, SupportCSR, TokenSegment, Trajectory
+from fleetrl.daemon.messages import Generation, TokenSegment, Trajectory
 from fleetrl.daemon.protocol import Tensor
 
 from .chat import ChatHistory, ChatMessage, ChatTokenizer, PromptPlan, ToolCall, cut_at_stop_strings
@@ -126,13 +126,7 @@ def truncate_generation(gen: Generation, n: int) -> Generation:
         raise ValueError(f"truncate_generation: n={n} is outside [0, {total}]")
     if n == total:
         return gen
-    off = gen.support.offsets.to_numpy()
-    end = int(off[n])
-    support = SupportCSR(
-        ids=Tensor.from_numpy(gen.support.ids.to_numpy()[:end]),
-        logprobs=Tensor.from_numpy(gen.support.logprobs.to_numpy()[:end]),
-        offsets=Tensor.from_numpy(off[: n + 1].astype(np.int64)),
-    )
+    support = gen.support.head(n)
     return msgspec.structs.replace(
         gen,
         token_ids=Tensor.from_numpy(gen.token_ids.to_numpy()[:n]),

@@ -57,14 +57,16 @@ Inbox = m.GenerateRequest | m.WeightVersionAvailable | m.SamplerStatus | StaleGr
 reports and its mismatch measurements."""
 
 
-def _backend_factory(sc: LocalSamplerConfig) -> Callable[[], Any]:
+def _backend_factory(sc: LocalSamplerConfig, max_support: int) -> Callable[[], Any]:
     def build() -> Any:
         if sc.backend == "torch":
             from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
             return TorchBackend(TorchBackendConfig(model_dir=sc.model_dir, dtype=sc.dtype, device=sc.device,
-                                                   fp8_scheme=sc.fp8_scheme, matmul=sc.matmul))
+                                                   fp8_scheme=sc.fp8_scheme, matmul=sc.matmul,
+                                                   max_support=max_support))
         from fleetrl.actors.samplers import vllm_backend
-        return vllm_backend.VllmBackend(vllm_backend.VllmBackendConfig(model_dir=sc.model_dir, dtype=sc.dtype))
+        return vllm_backend.VllmBackend(vllm_backend.VllmBackendConfig(model_dir=sc.model_dir, dtype=sc.dtype,
+                                                                       max_support=max_support))
     return build
 
 
@@ -86,7 +88,8 @@ async def run(cfg: PoolConfig, ctx: ActorContext, *,
     """The sampler pool actor (see the module docstring)."""
     pool = SamplerPool(policy=cfg.policy, max_staleness=cfg.max_staleness, max_latency_s=cfg.max_latency_s,
                        request_timeout_s=cfg.request_timeout_s, max_tries=cfg.max_tries,
-                       attempts_per_step=cfg.attempts_per_step, affinity=cfg.affinity, log=ctx.log)
+                       attempts_per_step=cfg.attempts_per_step, affinity=cfg.affinity, log=ctx.log,
+                       max_support=cfg.max_support, whole_vocabulary=cfg.whole_vocabulary)
     collector = PoolMetrics(pool, ctx.name)
     ctx.metrics.registry.register(collector)
     pauses = SwitchPauses(ctx.name)
@@ -127,7 +130,7 @@ async def run(cfg: PoolConfig, ctx: ActorContext, *,
                 if source is not None:
                     on_start = _follower_for(pool, source, samplers, pauses)
                 samplers.start_soon(lambda sc=sc, on_start=on_start: pool.keep_local(
-                    sc.id, _backend_factory(sc), price_per_hour=sc.price_per_hour, capacity=sc.capacity,
+                    sc.id, _backend_factory(sc, cfg.max_support), price_per_hour=sc.price_per_hour, capacity=sc.capacity,
                     restart_backoff_s=cfg.restart_backoff_s, on_start=on_start, max_batch=sc.max_batch))
             samplers.start_soon(pool.health_loop, cfg.health_interval_s)
             if cfg.wait_for_processes and processes:
@@ -200,7 +203,8 @@ def _launch(cfg: PoolConfig, ctx: ActorContext) -> Launch:
     web, ws = ("https", "wss") if cert else ("http", "ws")
     weights_url = f"{web}://{base}{cfg.weights_prefix}" if cfg.weights_dir is not None else None
     return Launch(join_url=f"{ws}://{base}{cfg.join_prefix}/join", weights_url=weights_url,
-                  control_token=_weights_token(ctx) if weights_url is not None else None, ca_file=cert)
+                  control_token=_weights_token(ctx) if weights_url is not None else None, ca_file=cert,
+                  max_support=cfg.max_support)
 
 
 def children_credential(ctx: ActorContext) -> str:

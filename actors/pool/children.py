@@ -41,6 +41,7 @@ import msgspec
 import trio
 from fleetrl.daemon.config import RestartPolicy
 from fleetrl.daemon.restart import RestartTracker
+from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
 from fleetrl.harness.processes import exit_reason, kill_process_tree
 
 from .config import LocalSamplerConfig
@@ -71,6 +72,8 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     """Bearer token of the delta store (the control plane's token)."""
     ca_file: str | None = None
     """The daemon's TLS certificate, which the child verifies it by (None: plain ws://)."""
+    max_support: int = DEFAULT_MAX_SUPPORT
+    """The pool's support cap, which each child's backend enforces too (`PoolConfig.max_support`)."""
 
     def __repr__(self) -> str:  # never print the credential
         return f"Launch(join_url={self.join_url!r}, weights_url={self.weights_url!r}, control_token='***')"
@@ -95,7 +98,8 @@ def child_argv(sc: LocalSamplerConfig, launch: Launch, *, parent_pid: int) -> li
     argv = [sys.executable, "-m", "fleetrl.actors.pool.cli", "--join", launch.join_url,
             "--backend", sc.backend, "--dtype", sc.dtype, "--model", sc.model_dir, "--device", sc.device,
             "--price-per-hour", repr(float(sc.price_per_hour)), "--capacity", str(sc.capacity),
-            "--max-batch", str(sc.max_batch), "--name", sc.id, "--parent-pid", str(parent_pid)]
+            "--max-batch", str(sc.max_batch), "--name", sc.id, "--parent-pid", str(parent_pid),
+            "--max-support", str(launch.max_support)]
     if sc.backend == "torch":
         argv += ["--fp8-scheme", sc.fp8_scheme, "--matmul", sc.matmul]
     if launch.weights_url is not None:

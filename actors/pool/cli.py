@@ -38,6 +38,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--price-per-hour", type=float, default=0.0, metavar="X",
                    help="what this device costs per hour (for cost-aware routing)")
     p.add_argument("--capacity", type=int, default=1, help="requests served at once")
+    p.add_argument("--max-support", type=int, default=None, metavar="N",
+                   help="the most tokens one token is drawn from (default: fleetrl's cap, 512; it bounds each "
+                        "token's record, docs/reference/corrections.md)")
     p.add_argument("--max-batch", type=int, default=64, metavar="N",
                    help="most requests decoded in one backend call (concurrent requests are batched)")
     p.add_argument("--weights", default=None, metavar="URL",
@@ -90,7 +93,8 @@ def run_command(args: argparse.Namespace) -> int:
                                  matmul=args.matmul, price_per_hour=args.price_per_hour,
                                  capacity=args.capacity, max_batch=args.max_batch, weights_url=args.weights,
                                  weights_token=args.weights_token, name=args.name, ca_file=args.ca_file,
-                                 weights_mirror=args.weights_mirror)
+                                 weights_mirror=args.weights_mirror,
+                                 **({} if args.max_support is None else {"max_support": args.max_support}))
         backend = build_backend(cfg)
     except (ValueError, OSError) as exc:
         print(f"fleetrl sampler: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 import msgspec
 from fleetrl.daemon.config import RestartPolicy
+from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
 
 __all__ = ["LocalSamplerConfig", "PoolConfig"]
 
@@ -101,6 +102,18 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Actor that receives the answers to requests taken from the inbox."""
     attempts_per_step: Annotated[int, msgspec.Meta(ge=1)] = 64
     """Attempts the trainer consumes per version (for staleness pacing)."""
+    max_support: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_SUPPORT
+    """The most tokens any sampler of the pool draws one token from: a request's ``top_k``
+    is lowered to it (set to it when the caller set none), and the local samplers and
+    child processes enforce it too. It bounds every token's record (about 8 bytes a
+    member) at any vocabulary; replay and centering stay exact
+    (docs/reference/corrections.md, "Supports at real vocabularies")."""
+    whole_vocabulary: bool = False
+    """Let a call that asks for no truncation (``top_p = 1``, no ``top_k``,
+    ``temperature > 0``) draw from the whole vocabulary instead of the ``max_support``
+    most likely tokens: its record then lists those with the mass outside them, the
+    ratios stay exact and centering becomes approximate within a bound the trainer
+    reports per step (docs/reference/corrections.md)."""
 
     def __post_init__(self) -> None:
         ids = [s.id for s in self.samplers]

@@ -60,8 +60,10 @@ import msgspec
 import trio
 
 from fleetrl.actors.buffer import StaleGroup
+from fleetrl.actors.samplers.base import routed_params
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.streams import stream_or_once
+from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
 
 from .errors import SamplerLost
 from .local import LocalSampler, SamplerHandle
@@ -127,7 +129,8 @@ class SamplerPool:
     def __init__(self, *, policy: str = "least_loaded", max_staleness: int = 2,
                  max_latency_s: float = math.inf, request_timeout_s: float = 600.0,
                  max_tries: int = 5, attempts_per_step: int = 64, trainer_version: int = 0,
-                 affinity: bool = True, log: Any = None, restore_versions: int = 4) -> None:
+                 affinity: bool = True, log: Any = None, restore_versions: int = 4,
+                 max_support: int = DEFAULT_MAX_SUPPORT, whole_vocabulary: bool = False) -> None:
         self.policy_name = policy
         self._policy = policy_named(policy)
         self.affinity: AffinityTable | None = AffinityTable() if affinity else None
@@ -136,6 +139,10 @@ class SamplerPool:
         self.max_latency_s = max_latency_s
         self.request_timeout_s = request_timeout_s
         self.max_tries = max_tries
+        self.max_support = max_support
+        """Every request's ``top_k`` is at most this (`routed_params`)."""
+        self.whole_vocabulary = whole_vocabulary
+        """Untruncated calls draw from the whole vocabulary (`routed_params`)."""
         self.registry = Registry()
         self.handles: dict[str, SamplerHandle] = {}
         self.trainer_version = trainer_version
@@ -406,6 +413,9 @@ class SamplerPool:
         deadline, registered in ``_inflight`` so that `mark_dead` cuts it; chunks are
         yielded outside those scopes (the caller's code runs at a ``yield``)."""
         problems: list[str] = []
+        params = routed_params(request.params, self.max_support, whole_vocabulary=self.whole_vocabulary)
+        if params is not request.params:
+            request = msgspec.structs.replace(request, params=params)
         key = None
         if self.affinity is not None:
             key = prompt_key(request.prompt_ids.dtype, request.prompt_ids.data)

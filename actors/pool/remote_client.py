@@ -35,6 +35,7 @@ from fleetrl.actors.samplers.base import served_identity
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.errors import BadMessage
 from fleetrl.daemon.protocol import DTypeName, Rejected
+from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
 
 from .batcher import Batcher
 from .local import WeightSync
@@ -133,6 +134,9 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     None: the system's CAs. Verification is never off."""
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
+    max_support: int = DEFAULT_MAX_SUPPORT
+    """The most tokens one token is drawn from (the backend's ``max_support``): the bound
+    on every token's record; the daemon's pool may ask for fewer per request."""
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.join_url)
@@ -153,6 +157,8 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_support < 1:
+            raise ValueError(f"max_support must be >= 1, got {self.max_support}")
         if not (0 < self.backoff_base_s <= self.backoff_max_s):
             raise ValueError("backoff_base_s must be > 0 and <= backoff_max_s")
         if self.fp8_scheme not in ("tensor", "row", "block128"):
@@ -170,9 +176,10 @@ def build_backend(cfg: RemoteClientConfig) -> Any:
     if cfg.backend == "torch":
         from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
         return TorchBackend(TorchBackendConfig(model_dir=cfg.model_dir, dtype=cfg.dtype, device=cfg.device,
-                                               fp8_scheme=cfg.fp8_scheme, matmul=cfg.matmul))
+                                               fp8_scheme=cfg.fp8_scheme, matmul=cfg.matmul,
+                                               max_support=cfg.max_support))
     from fleetrl.actors.samplers.vllm_backend import VllmBackend, VllmBackendConfig
-    return VllmBackend(VllmBackendConfig(model_dir=cfg.model_dir, dtype=cfg.dtype))
+    return VllmBackend(VllmBackendConfig(model_dir=cfg.model_dir, dtype=cfg.dtype, max_support=cfg.max_support))
 
 
 async def run_remote(cfg: RemoteClientConfig, backend: Any, *, log: Any = None,

@@ -56,7 +56,7 @@ from fleetrl.actors.samplers.errors import BadGenerateRequest, BadWeightUpdate
 from fleetrl.actors.weights.quant import FP8_DTYPE, SCHEMES, scale_shape
 from fleetrl.daemon.messages import FinishReason, Generation, SamplerIdentity, SamplingParams
 from fleetrl.daemon.protocol import Tensor, wire_dtype
-from fleetrl.daemon.tokens import SupportCSR, check_sampled_tokens
+from fleetrl.daemon.tokens import SupportCSR, SupportRule, check_sampled_tokens
 
 __all__ = [
     "SAMPLER_TOL",
@@ -70,6 +70,8 @@ __all__ = [
     "WeightValue",
     "WeightVersion",
     "backend_identity",
+    "bounded_params",
+    "routed_params",
     "check_fp8_values",
     "check_prompts",
     "check_weights",
@@ -127,44 +129,88 @@ def stamp(gen: Generation, request_id: str, identity: SamplerIdentity) -> Genera
 
 
 class TokenLog:
-    """One prompt's generated tokens as decode steps deliver them."""
+    """One prompt's generated tokens as decode steps deliver them.
 
-    __slots__ = ("finish", "logprobs", "offsets", "support_ids", "support_lps", "tokens", "versions")
+    A step adds a token with its log-prob, its support listing and its weight version;
+    listings are kept as the arrays a step hands over (never as Python numbers per
+    member, which at a 512-member cap would cost more than the decode step) and joined
+    once, by `generation`. ``rule`` is the support rule of every position
+    (`fleetrl.daemon.tokens.SupportRule`); with ``"vocabulary"`` each token also brings
+    the tail mass outside its listing."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_ids", "_lps", "_sizes", "_tails", "finish", "logprobs", "rule", "tokens", "versions")
+
+    def __init__(self, rule: SupportRule = "listed") -> None:
+        self.rule: SupportRule = rule
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
-        self.support_ids: list[int] = []
-        self.support_lps: list[float] = []
-        self.offsets: list[int] = [0]
         self.versions: list[int] = []
+        self._ids: list[np.ndarray] = []
+        self._lps: list[np.ndarray] = []
+        self._sizes: list[int] = []
+        self._tails: list[float] = []
         self.finish: FinishReason | None = None
 
-    def add(self, token: int, logprob: float, ids: Sequence[int], lps: Sequence[float], version: int) -> None:
-        """One sampled token, its log q^S, its support (ids and log q^S) and weight version."""
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        self.support_ids.extend(ids)
-        self.support_lps.extend(lps)
-        self.offsets.append(self.offsets[-1] + len(ids))
-        self.versions.append(version)
+    def add(self, token: int, logprob: float, ids: Sequence[int] | np.ndarray, lps: Sequence[float] | np.ndarray,
+            version: int, tail: float | None = None) -> None:
+        """One sampled token, its log-prob, its support listing (ids and log-probs) and
+        weight version; ``tail``: the mass outside the listing (rule ``"vocabulary"`` only)."""
+        if (tail is None) != (self.rule == "listed"):
+            raise ValueError(f"TokenLog of rule {self.rule!r}: tail mass "
+                             f"{'missing' if tail is None else 'given for a listed support'}")
+        ids_a = np.asarray(ids, dtype=np.int32)
+        self.tokens.append(int(token))
+        self.logprobs.append(float(logprob))
+        self._ids.append(ids_a)
+        self._lps.append(np.asarray(lps))
+        self._sizes.append(ids_a.size)
+        self.versions.append(int(version))
+        if tail is not None:
+            self._tails.append(float(tail))
 
     def generation(self, identity: SamplerIdentity, seed: int, *, logprob_dtype: type = np.float32) -> Generation:
         """The wire `Generation` (``request_id`` empty), checked at `SAMPLER_TOL`; raises
         ValueError naming the first token that does not fit its support. Log-probs travel
         as ``logprob_dtype``: float32, or float64 for a backend that computes them in
         float64 (vLLM renormalises its supports so)."""
-        token_ids = Tensor.from_numpy(np.asarray(self.tokens, dtype=np.int64))
+        token_ids = Tensor.from_numpy(np.asarray(self.tokens, dtype=np.int32))
         logprobs = Tensor.from_numpy(np.asarray(self.logprobs, dtype=logprob_dtype))
-        support = SupportCSR(
-            ids=Tensor.from_numpy(np.asarray(self.support_ids, dtype=np.int64)),
-            logprobs=Tensor.from_numpy(np.asarray(self.support_lps, dtype=logprob_dtype)),
-            offsets=Tensor.from_numpy(np.asarray(self.offsets, dtype=np.int64)),
-        )
+        offsets = np.zeros(len(self._sizes) + 1, dtype=np.int64)
+        np.cumsum(self._sizes, out=offsets[1:])
+        ids = np.concatenate(self._ids) if self._ids else np.zeros(0, dtype=np.int32)
+        lps = np.concatenate(self._lps).astype(logprob_dtype) if self._lps else np.zeros(0, dtype=logprob_dtype)
+        tail = None if self.rule == "listed" else Tensor.from_numpy(np.asarray(self._tails, dtype=np.float32))
+        support = SupportCSR(ids=Tensor.from_numpy(ids), logprobs=Tensor.from_numpy(lps),
+                             offsets=Tensor.from_numpy(offsets), rule=self.rule, tail_mass=tail)
         versions = Tensor.from_numpy(np.asarray(self.versions, dtype=np.int64))
         check_sampled_tokens(token_ids, logprobs, support, versions=versions, tol=SAMPLER_TOL)
         return Generation(request_id="", token_ids=token_ids, logprobs=logprobs, support=support,
                           versions=versions, sampler=identity, finish_reason=self.finish or "length", seed=seed)
+
+
+def bounded_params(params: SamplingParams, max_support: int) -> SamplingParams:
+    """The params a sampler of cap ``max_support`` draws with: ``top_k`` at most
+    ``max_support`` (the cap itself when the caller set none), so the support it lists is
+    the distribution it sampled from and its record stays bounded; a whole-vocabulary
+    request (``whole_vocabulary``) is left as it is (the sampler lists its ``max_support``
+    most likely tokens and the tail instead)."""
+    if params.whole_vocabulary or (params.top_k is not None and params.top_k <= max_support):
+        return params
+    return msgspec.structs.replace(params, top_k=max_support)
+
+
+def routed_params(params: SamplingParams, max_support: int, *, whole_vocabulary: bool) -> SamplingParams:
+    """The params the sampler pool sends a request with (docs/reference/corrections.md,
+    "Supports at real vocabularies"): with ``whole_vocabulary`` allowed, a call that asks
+    for no truncation (``top_p = 1``, no ``top_k``, ``temperature > 0``) draws from the
+    whole vocabulary; every other call is capped at ``max_support`` (`bounded_params`),
+    a whole-vocabulary request included when the pool does not allow it."""
+    untruncated = params.top_p == 1.0 and params.top_k is None and params.temperature > 0
+    if whole_vocabulary and untruncated:
+        return params if params.whole_vocabulary else msgspec.structs.replace(params, whole_vocabulary=True)
+    if params.whole_vocabulary:
+        params = msgspec.structs.replace(params, whole_vocabulary=False)
+    return bounded_params(params, max_support)
 
 
 class WeightVersion(msgspec.Struct, frozen=True):

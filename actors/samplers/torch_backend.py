@@ -3,7 +3,11 @@
 It runs our own decoder forward (`llama_forward`: the llama, qwen2, qwen3 and mistral
 families, docs/reference/models.md) over weights it holds by Hugging Face name, samples
 with fleetrl.grpo's support definition (`sampler_support`, `sample_from_support`), and
-reports every token's support and weight version.
+reports every token's support and weight version. It never draws from more than
+``max_support`` tokens (`base.bounded_params`), so its record is bounded at any
+vocabulary; a whole-vocabulary request (``SamplingParams.whole_vocabulary``) draws from
+all of q and lists the ``max_support`` most likely tokens with the tail mass
+(`vocabulary_listing`, `sample_from_vocabulary`).
 
 Precisions:
 
@@ -70,6 +74,7 @@ from fleetrl.actors.samplers.base import (
     WeightValue,
     WeightVersion,
     backend_identity,
+    bounded_params,
     check_prompts,
     files_digest,
 )
@@ -87,7 +92,8 @@ from fleetrl.actors.samplers.llama_forward import (
 from fleetrl.actors.samplers.torch_weights import Fp8Weight, Matmul, MatmulCopy, Stored, TorchWeights
 from fleetrl.daemon.messages import Generation, SamplingParams
 from fleetrl.daemon.protocol import DTypeName
-from fleetrl.grpo import sample_from_support, sampler_support
+from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
+from fleetrl.grpo import sample_from_support, sample_from_vocabulary, sampler_support, vocabulary_listing
 
 __all__ = ["DecodeRun", "Fp8Weight", "TorchBackend", "TorchBackendConfig"]
 
@@ -118,8 +124,14 @@ class TorchBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     fp32 sampler."""
     share_prefill: bool = True
     """Prefill identical prompts of one batch once (module docstring)."""
+    max_support: int = DEFAULT_MAX_SUPPORT
+    """The most tokens one token is drawn from, whatever the request's top_k (which
+    lowers it): the bound on the record of every generated token (and, for a
+    whole-vocabulary request, how many most likely tokens are listed)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_support, bool) or not isinstance(self.max_support, int) or self.max_support < 1:
+            raise ValueError(f"TorchBackendConfig.max_support must be an int >= 1, got {self.max_support!r}")
         if self.matmul not in _MATMULS:
             raise ValueError(f"TorchBackendConfig.matmul must be one of {_MATMULS}, got {self.matmul!r}")
         if self.matmul == "fp16_accumulate" and self.dtype != "fp16":
@@ -303,6 +315,7 @@ class DecodeRun:
         self._on_tokens = on_tokens
         shape = backend.shape
         self._backend = backend
+        params = bounded_params(params, backend.config.max_support)
         self._params = params
         budgets = backend.check_generate(prompts, params)
         rows = [[int(t) for t in p] for p in prompts]
@@ -332,7 +345,7 @@ class DecodeRun:
         )
         self._next: torch.Tensor | None = None
         self._count = torch.zeros(self._n, dtype=torch.long, device=device)
-        self._logs = [TokenLog() for _ in rows]
+        self._logs = [TokenLog("vocabulary" if params.whole_vocabulary else "listed") for _ in rows]
         self._fresh: list[int] = []  # rows finished since the last take_finished()
         self.steps = 0
 
@@ -370,10 +383,18 @@ class DecodeRun:
                     f"(dtype {backend.config.dtype}, weight version {version.version})"
                 )
             p = self._params
-            support_ids, support_lps = sampler_support(logits, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
-            tokens, token_lps = sample_from_support(support_ids, support_lps, generator=self._generator)
+            tail = None
+            if p.whole_vocabulary:
+                support_ids, support_lps, tail = vocabulary_listing(logits, temperature=p.temperature,
+                                                                    k=backend.config.max_support)
+                tokens, token_lps = sample_from_vocabulary(logits, temperature=p.temperature,
+                                                           generator=self._generator)
+            else:
+                support_ids, support_lps = sampler_support(logits, temperature=p.temperature, top_p=p.top_p,
+                                                           top_k=p.top_k)
+                tokens, token_lps = sample_from_support(support_ids, support_lps, generator=self._generator)
         self.steps += 1
-        self._record(tokens, token_lps, support_ids, support_lps, version.version)
+        self._record(tokens, token_lps, support_ids, support_lps, tail, version.version)
 
     def _prefill(self, read: WeightReader, mm_read: MatmulReader | None) -> torch.Tensor:
         """The first forward: each distinct prompt once (`share_prefill`), then every row
@@ -395,16 +416,17 @@ class DecodeRun:
             logits = logits.index_select(0, rows)
         return logits
 
-    def _record(self, tokens, token_lps, support_ids, support_lps, version: int) -> None:
+    def _record(self, tokens, token_lps, support_ids, support_lps, tail, version: int) -> None:
         self._count += 1
         stopped = torch.isin(tokens, self._stop) if self._stop.numel() else torch.zeros_like(tokens, dtype=torch.bool)
         out_of_budget = self._count >= self._budget_t
         finished = stopped | out_of_budget
         sizes = (support_ids >= 0).sum(-1).tolist()
-        ids_rows = support_ids.tolist()
-        lps_rows = support_lps.tolist()
+        ids_rows = support_ids.cpu().numpy()
+        lps_rows = support_lps.cpu().numpy()
+        tails = [None] * len(sizes) if tail is None else tail.tolist()
         for j, (row, tok, lp, size) in enumerate(zip(self._active.tolist(), tokens.tolist(), token_lps.tolist(), sizes)):
-            self._logs[row].add(tok, lp, ids_rows[j][:size], lps_rows[j][:size], version)
+            self._logs[row].add(tok, lp, ids_rows[j, :size], lps_rows[j, :size], version, tails[j])
             if self._on_tokens is not None:
                 self._on_tokens(row, [tok])
         if bool(finished.any()):

@@ -6,13 +6,22 @@ What it reports and how (docs/results/benchmarks.md has the measurements):
   the nucleus of the renormalised top-k; ties at a cut broken by an unstable sort). So
   the backend switches vLLM's truncation off and installs `vllm_worker.SupportProcessor`,
   which applies `fleetrl.grpo.sampler_support` itself to vLLM's temperature-scaled
-  logits. With ``logprobs_mode="processed_logprobs"`` and ``K`` log-probs requested (``K``
-  = top_k, or the vocabulary when there is no cap) vLLM returns ``log_softmax`` of the
-  masked logits: the finite entries are exactly the support, with ``log q^S``. The
-  backend checks each position (the sampled token is among them, at least one entry)
-  and renormalises in float64 so the reported log-probs (float64 on the wire) sum to
-  one to rounding.
+  logits. Every request is capped at ``max_support`` tokens (`base.bounded_params`), and
+  the engine is asked for exactly that many log-probs (``K`` = the request's top_k after
+  the cap; ``max_logprobs = max_support``), never for the vocabulary: with
+  ``logprobs_mode="processed_logprobs"`` vLLM returns ``log_softmax`` of the masked
+  logits, whose finite entries are exactly the support, with ``log q^S``. The backend
+  checks each position (the sampled token is among them, at least one entry) and
+  renormalises in float64 so the reported log-probs (float64 on the wire: 12 bytes a
+  member, 6 KB a token at the default cap) sum to one to rounding.
+  A whole-vocabulary request (``SamplingParams.whole_vocabulary``) carries no mask: vLLM
+  draws from all of q and returns the ``max_support`` most likely log-probs (and the
+  sampled token's), which the record lists with the tail mass (rule ``"vocabulary"``).
   Temperature 0 is greedy: support ``{argmax}`` with ``log q^S = 0``.
+  vLLM 0.32 also has ``return_sampling_mask``, the kept ids of vLLM's own top-k/top-p
+  (model runner V2 only, and without custom logits processors): it reports ids but not
+  their probabilities, which centering needs, and vLLM's own truncation rule, so the
+  backend keeps its processor (docs/reference/vllm.md).
 * Weights. `load_version` / `apply_update` cast the tensors to the engine dtype and
   replace them in place through `vllm_worker.FleetrlWorkerExtension` and
   ``collective_rpc`` (vLLM's ``reload_weights``), never rebuilding the engine. vLLM fuses
@@ -55,6 +64,7 @@ from fleetrl.actors.samplers.base import (
     backend_identity,
     check_prompts,
     check_weights,
+    bounded_params,
     compute_dtype,
     files_digest,
 )
@@ -131,7 +141,7 @@ class VllmBackend(BackendBase):
             model=str(model_dir),
             skip_tokenizer_init=True,
             dtype=str(self._dtype).removeprefix("torch."),
-            max_logprobs=-1,
+            max_logprobs=config.max_support,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLASS,
             logits_processors=[PROCESSOR_CLASS],
@@ -187,6 +197,7 @@ class VllmBackend(BackendBase):
         between engine steps. ``on_tokens(i, ids)`` gets the tokens each engine step
         produced for prompt ``i`` (vLLM's ``DELTA`` outputs: normally one per step)."""
         rows = self._check(prompts, params)
+        params = bounded_params(params, self.config.max_support)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         with self._engine_lock:
             if self._engine is None:
@@ -284,7 +295,8 @@ class VllmBackend(BackendBase):
         from vllm.sampling_params import RequestOutputKind
 
         greedy = params.temperature == 0
-        k = self.vocab_size if params.top_k is None else min(params.top_k, self.vocab_size)
+        k = min(params.top_k or self.config.max_support, self.vocab_size)  # bounded: top_k set unless whole vocabulary
+        masked = not (greedy or params.whole_vocabulary)
         return VSamplingParams(
             n=1,
             temperature=params.temperature,
@@ -298,7 +310,7 @@ class VllmBackend(BackendBase):
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
-            extra_args=None if greedy else {SUPPORT_ARG: [params.top_p, params.top_k or 0]},
+            extra_args={SUPPORT_ARG: [params.top_p, params.top_k or 0]} if masked else None,
         )
 
     def _run(self, rows: list[list[int]], params: SamplingParams, seed: int,
@@ -308,7 +320,8 @@ class VllmBackend(BackendBase):
         tag = f"fleetrl-{self._calls}-{secrets.token_hex(4)}"
         index: dict[str, int] = {}
         seeds = request_seeds(seed, len(rows))
-        collected = [Collected() for _ in rows]
+        listing = self.config.max_support if params.whole_vocabulary else None
+        collected = [Collected(listing) for _ in rows]
         self._busy = True
         try:
             for i, (row, s) in enumerate(zip(rows, seeds)):

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from fleetrl.daemon.protocol import DTypeName
+from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
 
 __all__ = ["VllmBackendConfig", "check_cpu_head_size", "eos_id", "hide_llvmlite_from_kernel_scan", "read_config"]
 
@@ -37,8 +38,14 @@ class VllmBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     """Skip CUDA-graph capture (faster start; the tiny model gains nothing from graphs)."""
     engine_seed: int = 0
     """vLLM's global seed (requests always carry their own seeds)."""
+    max_support: int = DEFAULT_MAX_SUPPORT
+    """The most tokens one token is drawn from, whatever the request's top_k (which
+    lowers it), and the most log-probs asked of the engine per token (vLLM's
+    ``max_logprobs``): the bound on every token's record."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_support, bool) or not isinstance(self.max_support, int) or self.max_support < 1:
+            raise ValueError(f"VllmBackendConfig.max_support must be an int >= 1, got {self.max_support!r}")
         if not self.model_dir:
             raise ValueError("VllmBackendConfig.model_dir must be a model directory, got an empty string")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -5,8 +5,11 @@ row's input is ``prompt_ids + token_ids``; the logit at input position ``P - 1 +
 (``P`` the prompt length) predicts generated token ``t``, so ``positions[b, t] = P - 1 + t``.
 Generated-token arrays are left-aligned in ``[B, T]`` (``T`` = longest generation) with
 ``loss_mask`` true exactly on real generated tokens; prompt tokens are never in the loss.
-Supports are unpacked from CSR into ``[B, T, K]`` (``K`` = largest support in the batch),
-padded with id ``-1`` and log-prob ``-inf`` (the `fleetrl.grpo` convention).
+Supports are unpacked from CSR into ``[B, T, K]`` (``K`` = largest support in the batch,
+at most the samplers' cap, never the vocabulary), padded with id ``-1`` and log-prob
+``-inf`` (the `fleetrl.grpo` convention). A row whose call drew from the whole
+vocabulary (support rule ``"vocabulary"``) is marked in ``support_vocab`` and carries its
+per-token tail mass in ``support_tail``.
 
 Rows whose prompts are identical (the attempts of one group, usually) share one entry of
 ``prompt_ids`` (the distinct prompts, right-padded, first-seen order); ``prefix_index[b]``
@@ -94,6 +97,8 @@ class Batch:
     support_ids: torch.Tensor  # [B, T, K] long, -1 padding
     support_logprobs: torch.Tensor  # [B, T, K] float32, -inf padding
     versions: torch.Tensor  # [B, T] long, -1 padding
+    support_vocab: torch.Tensor  # [B] bool: the row drew from the whole vocabulary (its listing: q's most likely)
+    support_tail: torch.Tensor  # [B, T] float32: q's mass outside the listing (0 on listed rows and padding)
     advantages: torch.Tensor  # [B] float32
     row_sampler: torch.Tensor  # [B] long index into sampler_keys
     row_trajectory: torch.Tensor  # [B] long index into rewards
@@ -188,12 +193,13 @@ def check_group(group: RolloutGroup, vocab_size: int, *, tol: float = 5e-3) -> N
 
 def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = AdvantageConfig()) -> Batch:
     """Convert ``groups`` into a `Batch`; raises `BadBatch` naming the offending segment."""
-    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    rows: list[tuple[np.ndarray, ...]] = []
     row_adv: list[float] = []
     row_sampler: list[int] = []
     row_traj: list[int] = []
     row_group: list[int] = []
     row_identity: list[int] = []
+    row_vocab: list[bool] = []
     keys: dict[str, int] = {}
     identities: dict[str, int] = {}  # sampler id -> index into ident_list
     ident_list: list[SamplerIdentity] = []
@@ -234,8 +240,11 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
                 if seg.sampler.sampler_id not in identities:
                     identities[seg.sampler.sampler_id] = len(ident_list)
                     ident_list.append(seg.sampler)
+                tail = (seg.support.tail_mass.to_numpy().astype(np.float32) if seg.support.tail_mass is not None
+                        else np.zeros(tokens.size, dtype=np.float32))
                 rows.append((prompt, tokens, seg.logprobs.to_numpy().astype(np.float32),
-                             off, sids, slps, seg.versions.to_numpy().astype(np.int64)))
+                             off, sids, slps, seg.versions.to_numpy().astype(np.int64), tail))
+                row_vocab.append(seg.support.whole_vocabulary)
                 row_adv.append(float(a))
                 row_sampler.append(keys[key])
                 row_traj.append(ti)
@@ -250,6 +259,7 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
     L = max((p.size + t.size for p, t, *_ in rows), default=1)
     T = max((t.size for _, t, *_ in rows), default=1)
     K = max((int(np.diff(o).max()) for _, _, _, o, *_ in rows), default=1)
+    K = max(K, 1)  # a whole-vocabulary row may list nothing
     input_ids = np.zeros((B, L), dtype=np.int64)
     attn = np.zeros((B, L), dtype=np.int64)
     positions = np.zeros((B, T), dtype=np.int64)
@@ -259,7 +269,8 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
     sup_ids = np.full((B, T, K), -1, dtype=np.int64)
     sup_lps = np.full((B, T, K), -np.inf, dtype=np.float32)
     vers = np.full((B, T), -1, dtype=np.int64)
-    for b, (prompt, tokens, lps, off, sids, slps, v) in enumerate(rows):
+    tails = np.zeros((B, T), dtype=np.float32)
+    for b, (prompt, tokens, lps, off, sids, slps, v, tail) in enumerate(rows):
         P, N = prompt.size, tokens.size
         input_ids[b, :P] = prompt
         input_ids[b, P:P + N] = tokens
@@ -269,6 +280,7 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         mask[b, :N] = True
         slp[b, :N] = lps
         vers[b, :N] = v
+        tails[b, :N] = tail
         sizes = np.diff(off)
         row = np.repeat(np.arange(N), sizes)
         col = np.arange(off[-1]) - np.repeat(off[:-1], sizes)
@@ -287,6 +299,8 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         support_ids=torch.from_numpy(sup_ids),
         support_logprobs=torch.from_numpy(sup_lps),
         versions=torch.from_numpy(vers),
+        support_vocab=torch.tensor(row_vocab, dtype=torch.bool),
+        support_tail=torch.from_numpy(tails),
         advantages=torch.tensor(row_adv, dtype=torch.float32),
         row_sampler=torch.tensor(row_sampler, dtype=torch.long),
         row_trajectory=torch.tensor(row_traj, dtype=torch.long),
@@ -359,6 +373,8 @@ def select_rows(batch: Batch, rows: Sequence[int] | torch.Tensor) -> Batch:
         support_ids=sup[:, :, :K].contiguous(),
         support_logprobs=batch.support_logprobs[idx, :T, :K].contiguous(),
         versions=batch.versions[idx, :T].contiguous(),
+        support_vocab=batch.support_vocab[idx].contiguous(),
+        support_tail=batch.support_tail[idx, :T].contiguous(),
         advantages=batch.advantages[idx].contiguous(),
         row_sampler=batch.row_sampler[idx].contiguous(),
         row_trajectory=row_traj.to(batch.row_trajectory.device),

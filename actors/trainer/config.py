@@ -188,6 +188,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Accumulate each step's gradient over micro-batches of at most this many tokens per
     rank (prompt + generated, padding included; a longer row goes alone); the step equals
     the whole batch's to float rounding. None: the whole batch at once."""
+    logits_chunk_mb: Annotated[int, msgspec.Meta(ge=1)] = 256
+    """The most memory (MiB) one chunk of fp32 ``[positions, vocabulary]`` logits takes
+    in the train step: the head is applied in chunks of positions and only what the loss
+    reads is kept (`head`), so a step never holds ``[B, T, V]`` logits (441 positions a
+    chunk at V = 151,936 by default)."""
     ranks: RanksConfig | None = None
     """Run the model in supervised torch.distributed rank processes (FSDP2, sharded
     checkpoints, restart after a rank dies); None: in the daemon's own process."""

@@ -87,7 +87,7 @@ def step_kwargs(cfg: TrainerConfig) -> dict:
     """The `train_step` keyword arguments that come from the config."""
     return dict(corrections=cfg.corrections, temperature=cfg.temperature, grad_clip=cfg.grad_clip,
                 pass_threshold=cfg.pass_threshold, share_prompts=cfg.share_prompts,
-                micro_batch_tokens=cfg.micro_batch_tokens)
+                micro_batch_tokens=cfg.micro_batch_tokens, logits_chunk_bytes=cfg.logits_chunk_mb << 20)
 
 
 def with_version(m: StepMetrics, vm) -> StepMetrics:

@@ -1,10 +1,12 @@
 """One GRPO train step on the fp32 master model (pure apart from mutating model and optimizer).
 
-Forward the batch through the Hugging Face causal LM to get the logits at the positions
-that predicted the generated tokens (each distinct prompt computed once and shared by
-the rows that start with it, `fleetrl.actors.trainer.prefix`; or, with
-``share_prompts=False``, the plain forward of every full row), divide by the sampling temperature,
-apply `fleetrl.grpo.policy_loss` (support replay, importance weights and masks, score
+Forward the batch through the Hugging Face causal LM to get the final hidden states at
+the positions that predicted the generated tokens (each distinct prompt computed once and
+shared by the rows that start with it, `fleetrl.actors.trainer.prefix`; or, with
+``share_prompts=False``, the plain forward of every full row), apply the head in chunks
+of positions keeping only the logits the loss reads, divided by the sampling temperature
+(`fleetrl.actors.trainer.head`: never ``[B, T, V]`` at once), apply
+`fleetrl.grpo.policy_loss_gathered` (support replay, importance weights and masks, score
 centering as configured), backward, clip the global grad norm, AdamW step.
 
 Micro-batches and ranks. The batch is cut into micro-batches of at most
@@ -28,7 +30,7 @@ tokens whose ratio ``exp(r)`` is outside the correction band ``[mask_low, mask_h
 (measured against the configured band whatever the weighting, so it says how much a
 mask would drop), and the spread of ``r``: its mean, population standard deviation and
 largest ``|r|``. Quantiles would not add up over micro-batches and ranks; these do,
-exactly (`_Mismatch.add`).
+exactly (`step_figures`).
 
 A step is *skipped* (weights and optimizer state untouched) when no token can carry a
 gradient: every advantage is zero (zero-variance groups), or the corrections masked every
@@ -54,13 +56,14 @@ import msgspec
 import torch
 
 from fleetrl.daemon.messages import MismatchFigures, SamplerIdentity
-from fleetrl.grpo import CorrectionConfig, policy_loss, replay_logprobs
-from fleetrl.grpo.weights import in_band, kept_tokens
+from fleetrl.grpo import CorrectionConfig, SupportLogits, policy_loss_gathered, replay_sampled
 
 from .batch import Batch, split_rows
 from .collective import Collective, LocalCollective, gather_bytes
 from .fsdp import has_activation_checkpointing, is_sharded, use_sum_reduction
-from .prefix import plain_logits, shared_prompt_logits
+from .head import DEFAULT_LOGITS_CHUNK_BYTES, SupportHead, final_hidden, lm_head, support_logits
+from .prefix import plain_hidden, shared_prompt_hidden
+from .step_figures import SUM_KEYS, RowDetail, _Details, _Sums, combine_figures, metrics_fields, mismatch_sums
 
 __all__ = ["MismatchFigures", "RowDetail", "StepMetrics", "build_optimizer", "combine_figures", "load_into", "master_bf16",
            "train_step"]
@@ -136,6 +139,17 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     """The same per sampler id."""
     sampler_identities: tuple[SamplerIdentity, ...] = ()
     """The identities of the sampler ids of ``mismatch_by_sampler_id`` (device kind included)."""
+    vocabulary_tokens: int = 0
+    """Tokens of the batch drawn from the whole vocabulary (support rule ``"vocabulary"``);
+    the four figures below describe them (0 when there are none)."""
+    tail_mass_mean: float = 0.0
+    """Mean mass of the sampler's q outside the listed members, over those tokens: what
+    centering leaves out (docs/reference/corrections.md, "Supports at real vocabularies")."""
+    tail_mass_max: float = 0.0
+    centering_bound_mean: float = 0.0
+    """Mean bound, over the kept ones of those tokens, on the L1 norm of the centering
+    gradient (per unit advantage, w.r.t. the logits) that the listing leaves out."""
+    centering_bound_max: float = 0.0
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
@@ -159,128 +173,6 @@ class _Head(msgspec.Struct, frozen=True):
     rewards: list[float]
     group_oldest: list[int]
     breaks: dict[str, int]
-
-
-def _nanmax(a: float, b: float) -> float:
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
-
-
-class _Mismatch(msgspec.Struct):
-    """The mismatch of a set of tokens, in a form that combines exactly over a union of
-    disjoint sets (`add`): counts and sums add, the mean and the sum of squared
-    deviations combine by Chan, Golub and LeVeque's pairwise update, maxima by max."""
-
-    tokens: int = 0
-    k3_sum: float = 0.0
-    out_of_band: int = 0
-    mean: float = 0.0
-    """Mean log-ratio."""
-    m2: float = 0.0
-    """Sum of squared deviations of the log-ratio from ``mean``."""
-    max_abs: float = 0.0
-
-    @staticmethod
-    def of(log_ratio: torch.Tensor, out_of_band: torch.Tensor) -> _Mismatch:
-        """The figures of the tokens whose log-ratios (any shape) are given, with the
-        flags of those outside the band."""
-        r = log_ratio.double().reshape(-1)
-        n = int(r.numel())
-        if n == 0:
-            return _Mismatch()
-        mean = float(r.mean())
-        return _Mismatch(tokens=n, k3_sum=float((torch.expm1(r) - r).sum()), out_of_band=int(out_of_band.sum()),
-                         mean=mean, m2=float(((r - mean) ** 2).sum()), max_abs=float(r.abs().max()))
-
-    def add(self, other: _Mismatch) -> None:
-        if other.tokens == 0:
-            return
-        if self.tokens == 0:
-            for f in self.__struct_fields__:
-                setattr(self, f, getattr(other, f))
-            return
-        n = self.tokens + other.tokens
-        delta = other.mean - self.mean
-        self.m2 = self.m2 + other.m2 + delta * delta * self.tokens * other.tokens / n
-        self.mean = self.mean + delta * other.tokens / n
-        self.tokens = n
-        self.k3_sum += other.k3_sum
-        self.out_of_band += other.out_of_band
-        self.max_abs = _nanmax(self.max_abs, other.max_abs)
-
-    def figures(self) -> MismatchFigures:
-        n = self.tokens
-        if n == 0:
-            return MismatchFigures(tokens=0, kl_k3=0.0, frac_out_of_band=0.0, log_ratio_mean=0.0, log_ratio_std=0.0,
-                                   log_ratio_max_abs=0.0)
-        return MismatchFigures(tokens=n, kl_k3=self.k3_sum / n, frac_out_of_band=self.out_of_band / n,
-                               log_ratio_mean=self.mean, log_ratio_std=math.sqrt(self.m2 / n) if self.m2 >= 0
-                               else math.nan, log_ratio_max_abs=self.max_abs)
-
-    @staticmethod
-    def from_figures(f: MismatchFigures) -> _Mismatch:
-        return _Mismatch(tokens=f.tokens, k3_sum=f.kl_k3 * f.tokens, out_of_band=round(f.frac_out_of_band * f.tokens),
-                         mean=f.log_ratio_mean, m2=f.log_ratio_std ** 2 * f.tokens, max_abs=f.log_ratio_max_abs)
-
-
-def combine_figures(parts: Sequence[MismatchFigures]) -> MismatchFigures:
-    """The figures of the union of disjoint token sets, from each set's figures (exact up
-    to float rounding: token-weighted means, the pooled standard deviation, the maximum)."""
-    total = _Mismatch()
-    for f in parts:
-        total.add(_Mismatch.from_figures(f))
-    return total.figures()
-
-
-class RowDetail(msgspec.Struct, frozen=True, array_like=True):
-    """What the step saw of one row's generated tokens (the rollout log, `train_step`'s
-    ``detail``): where the row came from (`Batch.row_origin`), the trainer's replayed log
-    p^S of each token (temperature applied, over the sampler's support), and the
-    positions the corrections masked (loss-mask tokens the loss did not keep)."""
-
-    origin: tuple[int, int, int]
-    trainer_logprobs: list[float]
-    masked: list[int]
-
-
-class _Details(msgspec.Struct):
-    rows: list[RowDetail] = []
-
-
-class _Sums(msgspec.Struct):
-    """A rank's sums over its micro-batches, combined over ranks by adding."""
-
-    numerator: float = 0.0
-    tokens_counted: float = 0.0
-    sequences_counted: float = 0.0
-    tokens_in_loss: float = 0.0
-    tokens_masked: float = 0.0
-    sequences_in_loss: float = 0.0
-    sequences_masked: float = 0.0
-    log_ratio_sum: float = 0.0
-    weight_sum: float = 0.0
-    centering_norm_sum: float = 0.0
-    fleet: _Mismatch = msgspec.field(default_factory=_Mismatch)
-    by_kind: dict[str, _Mismatch] = {}
-    by_id: dict[str, _Mismatch] = {}
-    identities: dict[str, SamplerIdentity] = {}
-
-    def add(self, other: _Sums) -> None:
-        for f in self.__struct_fields__:
-            a, b = getattr(self, f), getattr(other, f)
-            if f == "identities":
-                self.identities = {**b, **a}  # the first seen wins
-            elif isinstance(a, _Mismatch):
-                a.add(b)
-            elif isinstance(a, dict):
-                merged = {k: (msgspec.structs.replace(v) if isinstance(v, _Mismatch) else v) for k, v in a.items()}
-                for k, v in b.items():
-                    if isinstance(v, _Mismatch):
-                        merged.setdefault(k, _Mismatch()).add(v)
-                    else:
-                        merged[k] = merged.get(k, 0) + v
-                setattr(self, f, merged)
-            else:
-                setattr(self, f, a + b)
 
 
 def _all(collective: Collective, value, typ) -> list:
@@ -324,61 +216,43 @@ def _base(heads: Sequence[_Head], pass_threshold: float, trainer_version: int) -
     )
 
 
-@torch.no_grad()
-def _mismatch_sums(logits_BTV: torch.Tensor, batch: Batch, sums: _Sums, corrections: CorrectionConfig,
-                   detail: list[RowDetail] | None) -> None:
-    """The mismatch of ``batch``'s loss tokens (replayed log p^S vs reported log q^S)
-    overall, per sampler kind and per sampler id, added to ``sums``; with ``detail``, each
-    row's `RowDetail` appended to it."""
-    lp, _ = replay_logprobs(logits_BTV, batch.tokens, batch.support_ids)
-    m = batch.loss_mask
-    lr = lp.double() - batch.sampler_logprobs.double()
-    out = ~in_band(lr, corrections.mask_low, corrections.mask_high)
-    if detail is not None:
-        masked = (m & ~kept_tokens(torch.where(m, lr, 0.0), m, corrections)).cpu()
-        lengths, lp_cpu = m.sum(-1).tolist(), lp.float().cpu()
-        for b, n in enumerate(lengths):
-            detail.append(RowDetail(origin=batch.row_origin[b], trainer_logprobs=lp_cpu[b, :n].tolist(),
-                                    masked=masked[b, :n].nonzero().reshape(-1).tolist()))
-    sums.fleet.add(_Mismatch.of(lr[m], out[m]))
-    for owner, names, into in ((batch.token_sampler, batch.sampler_keys, sums.by_kind),
-                               (batch.token_identity, [s.sampler_id for s in batch.sampler_identities], sums.by_id)):
-        for i, name in enumerate(names):
-            sel = m & (owner == i)
-            if bool(sel.any()):
-                into.setdefault(name, _Mismatch()).add(_Mismatch.of(lr[sel], out[sel]))
-    for ident in batch.sampler_identities:
-        sums.identities.setdefault(ident.sampler_id, ident)
-
-
 def _micro_step(model: torch.nn.Module, mb: Batch, *, corrections: CorrectionConfig, temperature: float,
-                share: bool, detail: list[RowDetail] | None = None) -> _Sums:
+                share: bool, chunk_bytes: int, detail: list[RowDetail] | None = None) -> _Sums:
     """Forward ``mb``, backward the *sum* of its loss (gradients accumulate); its sums."""
-    logits_BTV = (shared_prompt_logits if share else plain_logits)(model, mb)
-    lg = logits_BTV.float() / temperature
-    loss_sum, m = policy_loss(lg, mb.tokens, mb.sampler_logprobs, mb.support_ids, mb.support_logprobs,
-                              mb.advantages, mb.loss_mask, corrections, reduction="sum")
-    sums = _Sums(**{k: m[k] for k in ("tokens_counted", "sequences_counted", "tokens_in_loss", "tokens_masked",
-                                      "sequences_in_loss", "sequences_masked", "log_ratio_sum", "weight_sum",
-                                      "centering_norm_sum")}, numerator=m["loss"])
-    _mismatch_sums(lg.detach(), mb, sums, corrections, detail)
-    del logits_BTV, lg
+    hidden_BTH = (shared_prompt_hidden if share else plain_hidden)(model, mb)
+    vocab = bool(mb.support_vocab.any())
+    gathered = support_logits(model, hidden_BTH, mb.tokens, mb.support_ids, mb.loss_mask, temperature=temperature,
+                              want_vocab_lse=vocab, chunk_bytes=chunk_bytes)
+    rows = mb.support_vocab if vocab else None
+    loss_sum, m = policy_loss_gathered(gathered, mb.tokens, mb.sampler_logprobs, mb.support_ids, mb.support_logprobs,
+                                       mb.advantages, mb.loss_mask, corrections, vocab_size=lm_head(model).out_features,
+                                       reduction="sum", vocabulary=rows, tail_mass=mb.support_tail if vocab else None)
+    sums = _Sums(**{k: m[k] for k in SUM_KEYS}, numerator=m["loss"])
+    with torch.no_grad():
+        lp = replay_sampled(SupportLogits(*(None if x is None else x.detach() for x in gathered)), mb.tokens,
+                            mb.support_ids, mb.loss_mask, rows)
+    mismatch_sums(lp, mb, sums, corrections, detail)
+    del hidden_BTH, gathered
     loss_sum.backward()
     return sums
 
 
 def _idle_pass(model: torch.nn.Module, device: torch.device, share: bool) -> None:
-    """A zero-weighted forward and backward on one token, with the same forward calls as
-    a real micro-batch, so a rank with fewer micro-batches joins FSDP's collectives."""
+    """A zero-weighted forward and backward on one token, with the same forward calls and
+    the same head as a real micro-batch, so a rank with fewer micro-batches joins FSDP's
+    collectives."""
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
     if share:
-        out = model(input_ids=ids, use_cache=True)
-        rest = model(input_ids=ids, position_ids=torch.ones_like(ids), past_key_values=out.past_key_values,
-                     use_cache=True)
-        total = out.logits.float().sum() + rest.logits.float().sum()
+        first, out = final_hidden(model, input_ids=ids, use_cache=True)
+        rest, _ = final_hidden(model, input_ids=ids, position_ids=torch.ones_like(ids),
+                               past_key_values=out.past_key_values, use_cache=True)
+        hidden = torch.cat([first, rest], dim=1)[0]
     else:
-        total = model(input_ids=ids, use_cache=False).logits.float().sum()
-    (total * 0.0).backward()
+        hidden = final_hidden(model, input_ids=ids, use_cache=False)[0][0]
+    head = lm_head(model)
+    zeros = torch.zeros(hidden.shape[0], dtype=torch.long, device=device)
+    zS, za, _ = SupportHead.apply(hidden, head.weight, head.bias, zeros[:, None], zeros, 1.0, 1, False)
+    ((zS.sum() + za.sum()) * 0.0).backward()
 
 
 def _sum_replicated_grads(params: Sequence[torch.Tensor], collective: Collective) -> None:
@@ -399,39 +273,17 @@ def _sum_replicated_grads(params: Sequence[torch.Tensor], collective: Collective
         offset += n
 
 
-def _stats(t: _Sums) -> dict:
-    n_loss, n_keep = t.tokens_in_loss, t.tokens_counted
-    fleet = t.fleet.figures()
-    by_kind = {k: v.figures() for k, v in sorted(t.by_kind.items()) if v.tokens}
-    by_id = {k: v.figures() for k, v in sorted(t.by_id.items()) if v.tokens}
-    return dict(
-        frac_masked_tokens=t.tokens_masked / n_loss if n_loss else 0.0,
-        frac_masked_sequences=t.sequences_masked / t.sequences_in_loss if t.sequences_in_loss else 0.0,
-        mismatch_kl_k3=fleet.kl_k3,
-        mismatch_kl_by_sampler={k: f.kl_k3 for k, f in by_kind.items()},
-        tokens_by_sampler={k: f.tokens for k, f in by_kind.items()},
-        frac_out_of_band=fleet.frac_out_of_band,
-        log_ratio_std=fleet.log_ratio_std,
-        log_ratio_max_abs=fleet.log_ratio_max_abs,
-        mismatch_by_kind=by_kind,
-        mismatch_by_sampler_id=by_id,
-        sampler_identities=tuple(t.identities[k] for k in by_id),
-        log_ratio_mean=t.log_ratio_sum / n_loss if n_loss else 0.0,
-        centering_norm=t.centering_norm_sum / n_keep if n_keep else 0.0,
-        weight_mean=t.weight_sum / n_keep if n_keep else 0.0,
-    )
-
-
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *,
                corrections: CorrectionConfig, temperature: float, grad_clip: float,
                pass_threshold: float, step: int, trainer_version: int,
                share_prompts: bool = True, micro_batch_tokens: int | None = None,
-               collective: Collective | None = None, detail: list[RowDetail] | None = None) -> StepMetrics:
+               collective: Collective | None = None, detail: list[RowDetail] | None = None,
+               logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES) -> StepMetrics:
     """Train ``model`` on ``batch``; returns the step's metrics (``step`` = steps before it).
 
     ``trainer_version`` is the version the batch is trained against (for staleness).
-    ``share_prompts`` computes each distinct prompt once (`shared_prompt_logits`); off,
-    every row is forwarded in full (`plain_logits`). Both give the same logits to float
+    ``share_prompts`` computes each distinct prompt once (`shared_prompt_hidden`); off,
+    every row is forwarded in full (`plain_hidden`). Both give the same logits to float
     rounding. ``micro_batch_tokens`` cuts the batch into micro-batches of at most that many
     tokens (`split_rows`: rows x longest prompt + generated row; None: one micro-batch).
     ``collective``: this rank's data-parallel group (None: one process); each rank passes
@@ -476,6 +328,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
         if i < len(micro):
             mb = micro[i] if micro[i].input_ids.device == device else micro[i].to(device)
             local.add(_micro_step(model, mb, corrections=corrections, temperature=temperature, share=share,
+                                  chunk_bytes=logits_chunk_bytes,
                                   detail=rows))
         elif sharded and coll.world_size > 1:
             _idle_pass(model, device, share)
@@ -486,7 +339,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
         for part in _all(coll, _Details(rows=rows), _Details):
             detail.extend(part.rows)
     count = total.tokens_counted if corrections.normalization == "token" else total.sequences_counted
-    stats = dict(loss=total.numerator / max(count, 1.0), **_stats(total))
+    stats = dict(loss=total.numerator / max(count, 1.0), **metrics_fields(total))
     if count == 0:
         optimizer.zero_grad(set_to_none=True)
         return StepMetrics(**base, **stats, step=step, skipped=True, skipped_reason="every token masked",

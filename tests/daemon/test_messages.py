@@ -326,7 +326,7 @@ def test_support_from_padded_drops_padding_and_keeps_order():
     ids = np.array([[5, 3, -1], [7, -1, -1], [1, 2, 9]], dtype=np.int64)
     lps = np.array([[-0.1, -2.4, -np.inf], [0.0, -np.inf, -np.inf], [-1, -1.5, -2]], dtype=np.float32)
     s = m.SupportCSR.from_padded(ids, lps)
-    assert s.positions == 3 and s.ids.dtype == "int64" and s.logprobs.dtype == "float32"
+    assert s.positions == 3 and s.ids.dtype == "int32" and s.logprobs.dtype == "float32"  # int32 ids on the wire
     assert s.offsets.to_numpy().tolist() == [0, 2, 3, 6]
     row_ids, row_lps = s.row(0)
     assert row_ids.tolist() == [5, 3] and row_lps.tolist() == pytest.approx([-0.1, -2.4])

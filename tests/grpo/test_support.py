@@ -10,7 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetrl.grpo import BadLossInput, replay_logprobs, sample_from_support, sampler_support
+from fleetrl.grpo import (
+    BadLossInput,
+    replay_logprobs,
+    sample_from_support,
+    sample_from_vocabulary,
+    sampler_support,
+    vocabulary_listing,
+)
 
 settings.load_profile("grpo")
 
@@ -261,3 +268,66 @@ def test_mass_exactly_at_top_p_stops_the_nucleus(top_p, size):
     ids, lq = sampler_support(torch.zeros(1, 4, dtype=torch.float64), temperature=1.0, top_p=top_p, top_k=None)
     assert ids.tolist() == [list(range(size))]
     torch.testing.assert_close(lq, torch.full((1, size), -math.log(size), dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- the cap at real vocabularies
+
+
+@given(seed=seeds, N=st.integers(1, 5), V=st.integers(1, 60), top_p=top_ps, top_k=st.integers(1, 12),
+       ties=st.booleans(), dead=st.integers(0, 5))
+def test_a_binding_cap_orders_only_the_most_likely_and_equals_the_full_sort(seed, N, V, top_p, top_k, ties, dead):
+    """With top_k < V only the top_k most likely tokens are ordered (torch.topk plus the
+    lowest-id rule at a tied cut); the result is the first top_k of the stable full sort,
+    ties and zero-probability tokens included."""
+    z = random_logits(seed, N, V, ties=ties)
+    z[:, :min(dead, V - 1)] = -math.inf
+    ids, lq = sampler_support(z, temperature=0.7, top_p=top_p, top_k=top_k)
+    full = torch.log_softmax(z / 0.7, -1)
+    order = torch.sort(full, dim=-1, descending=True, stable=True).indices
+    for n in range(N):
+        S = members(ids[n])
+        finite = int(torch.isfinite(z[n]).sum())
+        cum = full[n, order[n]].exp().cumsum(0)
+        size = min(int((cum < top_p).sum()) + 1, finite, top_k)
+        assert S == order[n, :size].tolist()
+        expect = full[n, S] - torch.logsumexp(full[n, S], 0)
+        torch.testing.assert_close(lq[n, :len(S)].double(), expect, rtol=1e-9, atol=1e-9)
+
+
+def test_a_cut_through_tied_tokens_takes_the_lowest_ids():
+    z = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 1.0]])
+    ids, _ = sampler_support(z, temperature=1.0, top_p=1.0, top_k=3)
+    assert ids.tolist() == [[5, 1, 2]]
+
+
+@given(seed=seeds, N=st.integers(1, 4), V=st.integers(1, 50), k=st.integers(1, 20), ties=st.booleans(),
+       temperature=st.floats(0.3, 2.0))
+def test_vocabulary_listing_is_the_top_k_of_q_with_log_q_and_the_tail(seed, N, V, k, ties, temperature):
+    z = random_logits(seed, N, V, ties=ties)
+    ids, lq, tail = vocabulary_listing(z, temperature=temperature, k=k)
+    full = torch.log_softmax(z / temperature, -1)
+    order = torch.sort(full, dim=-1, descending=True, stable=True).indices
+    assert ids.shape == (N, min(k, V))
+    for n in range(N):
+        listed = members(ids[n])
+        assert listed == order[n, :min(k, V)].tolist()
+        torch.testing.assert_close(lq[n, :len(listed)].double(), full[n, listed], rtol=1e-12, atol=1e-12)
+        assert math.isclose(float(tail[n]) + float(full[n, listed].exp().sum()), 1.0, abs_tol=1e-12)
+
+
+def test_sample_from_vocabulary_follows_q_and_reports_log_q():
+    z = torch.tensor([[2.0, 1.0, 0.5, -3.0, -math.inf]])
+    n = 20000
+    tok, lq = sample_from_vocabulary(z.expand(n, -1), temperature=1.0, generator=torch.Generator().manual_seed(3))
+    q = torch.softmax(z[0].double(), -1)
+    freq = torch.bincount(tok, minlength=5).double() / n
+    assert (freq - q).abs().max() < 0.018  # 5 binomial standard deviations
+    assert freq[4] == 0
+    torch.testing.assert_close(lq.double(), q.log()[tok], rtol=1e-6, atol=1e-6)
+
+
+def test_the_whole_vocabulary_is_not_greedy():
+    with pytest.raises(BadLossInput, match="temperature 0 is greedy"):
+        vocabulary_listing(torch.zeros(1, 3), temperature=0.0, k=2)
+    with pytest.raises(BadLossInput, match="k must be an int >= 1"):
+        vocabulary_listing(torch.zeros(1, 3), temperature=1.0, k=0)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetrl.daemon.examples import example_generation
-from fleetrl.daemon.messages import TokenSegment, Trajectory
+from fleetrl.daemon.messages import SupportCSR, TokenSegment, Trajectory
 from fleetrl.daemon.protocol import Tensor
 from fleetrl.harness.atif import ATIF_VERSION, read_atif
 from fleetrl.harness.atif_write import atif_file_name, atif_from_attempt, encode_atif
@@ -104,8 +104,11 @@ def test_the_support_travels_when_asked():
     record, traj = attempt([chat_call(0, [ChatMessage("user", "x")], ChatMessage("assistant", "y"))])
     own = atif_from_attempt(record, traj, support=True).steps[1].metrics.extra["fleetrl"]
     seg = traj.segments[0]
-    assert own["support"]["ids"] == seg.support.ids.to_numpy().tolist()
-    assert own["support"]["offsets"] == seg.support.offsets.to_numpy().tolist()
+    back = SupportCSR.from_json(json.loads(json.dumps(own["support"])))
+    assert back.ids.to_numpy().tolist() == seg.support.ids.to_numpy().tolist()
+    assert back.offsets.to_numpy().tolist() == seg.support.offsets.to_numpy().tolist()
+    assert back.logprobs.to_numpy().tolist() == seg.support.logprobs.to_numpy().astype(np.float32).tolist()
+    assert back.rule == seg.support.rule == own["support"]["rule"]
 
 
 def test_a_rewritten_history_restarts_the_conversation():

@@ -57,7 +57,8 @@ def test_token_log_builds_the_wire_generation():
     gen = log.generation(IDENT, seed=5)
     assert isinstance(gen, m.Generation) and gen.request_id == "" and gen.sampler == IDENT
     assert (gen.num_tokens, gen.finish_reason, gen.seed) == (2, "stop", 5)
-    assert gen.token_ids.to_numpy().tolist() == [3, 4] and gen.token_ids.dtype == "int64"
+    # ids travel as int32 (every vocabulary fits): 4 bytes a token and a support member
+    assert gen.token_ids.to_numpy().tolist() == [3, 4] and gen.token_ids.dtype == gen.support.ids.dtype == "int32"
     assert gen.logprobs.dtype == gen.support.logprobs.dtype == "float32"
     assert gen.support.offsets.to_numpy().tolist() == [0, 2, 3]
     assert gen.versions.to_numpy().tolist() == [1, 2]

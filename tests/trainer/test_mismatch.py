@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from fleetrl.actors.trainer.batch import build_batch, select_rows
 from fleetrl.actors.trainer.step import MismatchFigures, combine_figures, train_step
-from fleetrl.actors.trainer.step import _Mismatch, _Sums
+from fleetrl.actors.trainer.step_figures import _Mismatch, _Sums
 from fleetrl.daemon import messages as m
-from fleetrl.grpo import CorrectionConfig
+from fleetrl.grpo import CorrectionConfig, replay_logprobs
 
 V = 16
 
@@ -39,16 +39,31 @@ TOKENS = [
 ]
 
 
+class _OneHot(torch.nn.Module):
+    """The base of `Bigram`: each input token's hidden state is its one-hot vector."""
+
+    def forward(self, input_ids, **_):
+        return types.SimpleNamespace(last_hidden_state=torch.nn.functional.one_hot(input_ids, V).float())
+
+
 class Bigram(torch.nn.Module):
     """A causal LM whose logits at a position are a row of a table picked by the input
-    token there: the trainer's p^S of every generated token is set by hand."""
+    token there: the trainer's p^S of every generated token is set by hand. Laid out like
+    a Hugging Face causal LM (a base at ``model``, an ``lm_head`` whose weight is the
+    table's transpose), which the trainer applies in chunks itself."""
 
     def __init__(self, table: torch.Tensor) -> None:
         super().__init__()
-        self.w = torch.nn.Parameter(table.clone())
+        self.model = _OneHot()
+        self.lm_head = torch.nn.Linear(V, V, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(table.t())
 
-    def forward(self, input_ids, attention_mask=None, use_cache=False, **_):
-        return types.SimpleNamespace(logits=self.w[input_ids])
+    def forward(self, input_ids, attention_mask=None, use_cache=False, logits_to_keep=0, **_):
+        hidden = self.model(input_ids).last_hidden_state
+        if isinstance(logits_to_keep, torch.Tensor):
+            hidden = hidden[:, logits_to_keep]
+        return types.SimpleNamespace(logits=self.lm_head(hidden))
 
 
 def _setup(groups):
@@ -136,15 +151,15 @@ def test_micro_batches_give_the_same_figures(groups):
 
 def test_rank_parts_of_a_batch_combine_to_the_whole(groups):
     """What `_Sums.add` does over ranks: each rank's rows measured alone, then added."""
-    from fleetrl.actors.trainer.step import _mismatch_sums
+    from fleetrl.actors.trainer.step_figures import mismatch_sums
 
     model, batch = _setup(groups)
     band = CorrectionConfig(mask_low=0.5, mask_high=5.0)
     with torch.no_grad():
         def measure(b):
             s = _Sums()
-            logits = model.w[b.input_ids].gather(1, b.positions.unsqueeze(-1).expand(-1, -1, V))
-            _mismatch_sums(logits, b, s, band, None)
+            logits = model.lm_head.weight.t()[b.input_ids].gather(1, b.positions.unsqueeze(-1).expand(-1, -1, V))
+            mismatch_sums(replay_logprobs(logits, b.tokens, b.support_ids)[0], b, s, band, None)
             return s
 
         whole = measure(batch)
