@@ -56,7 +56,7 @@ FLOAT_DTYPES = ("float32", "float64")
 DEFAULT_MAX_SUPPORT = 512
 """The most tokens a sampler draws one token from (and lists), unless configured
 otherwise: 4 KB of listing per generated token at any vocabulary. Chosen by measurement
-(docs/results/real-size.md): the record's bytes grow linearly with it, and 512 is the cap
+(docs/results/support-cap.md): the record's bytes grow linearly with it, and 512 is the cap
 prime-rl uses for the same purpose."""
 
 SupportRule = Literal["listed", "vocabulary"]

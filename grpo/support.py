@@ -23,7 +23,7 @@ Definitions shared by every sampler backend and the trainer (docs/reference/cont
 Cost at a real vocabulary: with a cap ``top_k`` smaller than the vocabulary only the
 ``top_k`` most likely tokens are ever ordered (``torch.topk`` plus an exact tie rule at
 the cut), never the whole row: at V = 151,936 that is what keeps a decode step's support
-cheap (docs/results/real-size.md).
+cheap (docs/results/support-cap.md).
 
 Departure from Hugging Face / vLLM: those apply ``top_k`` first and then take the
 nucleus of the *renormalised* top-k distribution; here the nucleus is taken under the
@@ -88,29 +88,28 @@ def sampler_support(
             torch.empty(0, 1, dtype=torch.long, device=device),
             torch.empty(0, 1, dtype=out_dtype, device=device),
         )
-    z = logits_NV.detach().to(torch.float64)
-    if torch.isnan(z).any() or torch.isposinf(z).any():
-        row = int((torch.isnan(z) | torch.isposinf(z)).any(-1).nonzero()[0, 0])
-        raise BadLossInput(f"logits_NV row {row} contains NaN or +inf")
-    finite = torch.isfinite(z)
-    n_finite = finite.sum(-1)
-    if (n_finite == 0).any():
-        row = int((n_finite == 0).nonzero()[0, 0])
-        raise BadLossInput(f"logits_NV row {row} has no finite logit: nothing can be sampled")
+    z = logits_NV.detach()
+    n_finite = _finite_per_row(z)
 
     if temperature == 0:
         ids = z.argmax(-1, keepdim=True)  # first maximum = lowest id among ties
         return ids, torch.zeros(N, 1, dtype=out_dtype, device=device)
 
-    lq = torch.log_softmax(z / temperature, dim=-1)
     if top_k is not None and top_k < V:
-        lq_sorted, order = _most_likely(lq, top_k)
+        # Ordering by the raw logits is ordering by q (exact in float64 for any float
+        # dtype, and dividing by T > 0 keeps it): only the top_k are ever sorted, and the
+        # vocabulary is read in float64 only for the nucleus mass (top_p < 1).
+        vals, order = _most_likely(z, top_k)
+        x_sorted = vals.to(torch.float64) / temperature  # log q up to the row's normaliser
+        lse = torch.logsumexp(z.to(torch.float64) / temperature, -1, keepdim=True) if top_p < 1.0 else None
     else:
-        lq_sorted, order = torch.sort(lq, dim=-1, descending=True, stable=True)
+        lq = torch.log_softmax(z.to(torch.float64) / temperature, dim=-1)
+        x_sorted, order = torch.sort(lq, dim=-1, descending=True, stable=True)
+        lse = torch.zeros((N, 1), dtype=torch.float64, device=device)
     if top_p >= 1.0:
         size = n_finite
     else:
-        cum = lq_sorted.exp().cumsum(-1)
+        cum = (x_sorted - lse).exp().cumsum(-1)
         # shortest prefix with mass >= top_p: one more than the count of prefixes below it
         size = torch.minimum((cum < top_p).sum(-1) + 1, n_finite)
     if top_k is not None:
@@ -118,25 +117,44 @@ def sampler_support(
     K = int(size.max())
     keep = torch.arange(K, device=device) < size[:, None]
     ids = torch.where(keep, order[:, :K], torch.full_like(order[:, :K], -1))
-    kept_lq = lq_sorted[:, :K].masked_fill(~keep, -math.inf)
-    logprobs = kept_lq - torch.logsumexp(kept_lq, dim=-1, keepdim=True)
+    kept = x_sorted[:, :K].masked_fill(~keep, -math.inf)
+    logprobs = kept - torch.logsumexp(kept, dim=-1, keepdim=True)
     return ids, logprobs.to(out_dtype)
 
 
-def _most_likely(lq_NV: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def _finite_per_row(z: Tensor) -> Tensor:
+    """Finite logits per row; BadLossInput for a NaN or +inf, or a row with none."""
+    finite = torch.isfinite(z)
+    if not bool(finite.all()):
+        bad = torch.isnan(z) | torch.isposinf(z)
+        if bad.any():
+            raise BadLossInput(f"logits_NV row {int(bad.any(-1).nonzero()[0, 0])} contains NaN or +inf")
+    n_finite = finite.sum(-1)
+    if (n_finite == 0).any():
+        raise BadLossInput(f"logits_NV row {int((n_finite == 0).nonzero()[0, 0])} has no finite logit: "
+                           "nothing can be sampled")
+    return n_finite
+
+
+def _most_likely(x_NV: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest entries of each row and their ids, in the support order
     (decreasing value, ties by lower id), without sorting the whole row.
 
-    ``torch.topk`` picks an arbitrary subset of the values tied at the cut; here the
-    tied ids are taken lowest first, so the result equals the first ``k`` of a stable
-    descending sort of the row."""
-    kth = torch.topk(lq_NV, k, dim=-1, sorted=False).values.min(-1, keepdim=True).values
-    above = lq_NV > kth
-    tied = lq_NV == kth
-    room = k - above.sum(-1, keepdim=True)
-    chosen = above | (tied & (tied.cumsum(-1) <= room))
-    ids = chosen.nonzero()[:, 1].reshape(lq_NV.shape[0], k)  # ascending ids per row
-    vals = lq_NV.gather(-1, ids)
+    ``torch.topk`` picks an arbitrary subset of the values tied at the cut; a row whose
+    cut splits a tie takes the tied ids lowest first instead, so the result equals the
+    first ``k`` of a stable descending sort of the row."""
+    vals, ids = torch.topk(x_NV, k, dim=-1, sorted=False)
+    kth = vals.min(-1, keepdim=True).values
+    split = (x_NV == kth).sum(-1) != (vals == kth).sum(-1)
+    if bool(split.any()):
+        rows = split.nonzero().squeeze(1)
+        x = x_NV[rows]
+        above, tied = x > kth[rows], x == kth[rows]
+        chosen = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+        ids[rows] = chosen.nonzero()[:, 1].reshape(rows.numel(), k)  # ascending ids per row
+        vals[rows] = x.gather(-1, ids[rows])
+    ids, by_id = ids.sort(-1)
+    vals = vals.gather(-1, by_id)
     vals, pos = torch.sort(vals, dim=-1, descending=True, stable=True)
     return vals, ids.gather(-1, pos)
 
@@ -146,12 +164,7 @@ def _check_logits(logits_NV: Tensor) -> None:
         raise BadLossInput(f"logits_NV must be 2-D [N, V], got shape {tuple(logits_NV.shape)}")
     if not logits_NV.is_floating_point():
         raise BadLossInput(f"logits_NV must be floating point, got {logits_NV.dtype}")
-    bad = torch.isnan(logits_NV) | torch.isposinf(logits_NV)
-    if bad.any():
-        raise BadLossInput(f"logits_NV row {int(bad.any(-1).nonzero()[0, 0])} contains NaN or +inf")
-    none = ~torch.isfinite(logits_NV).any(-1)
-    if none.any():
-        raise BadLossInput(f"logits_NV row {int(none.nonzero()[0, 0])} has no finite logit: nothing can be sampled")
+    _finite_per_row(logits_NV)
 
 
 def _check_positive_temperature(temperature: float) -> None:
@@ -175,9 +188,11 @@ def vocabulary_listing(logits_NV: Tensor, *, temperature: float, k: int) -> tupl
     _check_logits(logits_NV)
     N, V = logits_NV.shape
     out_dtype = torch.float64 if logits_NV.dtype == torch.float64 else torch.float32
-    lq = torch.log_softmax(logits_NV.detach().to(torch.float64) / temperature, dim=-1)
+    z = logits_NV.detach()
+    lse = torch.logsumexp(z.to(torch.float64) / temperature, -1, keepdim=True)
     k = min(k, V)
-    vals, ids = _most_likely(lq, k) if k < V else torch.sort(lq, dim=-1, descending=True, stable=True)
+    raw, ids = _most_likely(z, k) if k < V else torch.sort(z, dim=-1, descending=True, stable=True)
+    vals = raw.to(torch.float64) / temperature - lse
     finite = torch.isfinite(vals)
     ids = torch.where(finite, ids, torch.full_like(ids, -1))
     tail = (1.0 - vals.exp().sum(-1)).clamp(min=0.0)

@@ -145,6 +145,10 @@ class _Metrics:
             ("delta_ratio", "bf16 bytes / delta bytes of the last published version"),
             ("delta_density", "Fraction of bf16 weights changed by the last version"),
             ("usd_per_rollout", "Sampling dollars per trajectory of the last batch"),
+            ("vocabulary_tokens", "Tokens of the last batch drawn from the whole vocabulary"),
+            ("tail_mass_mean", "Mean sampler mass outside the listed members of whole-vocabulary tokens, last step"),
+            ("centering_bound_max", "Largest bound on the centering gradient left out on whole-vocabulary tokens, "
+                                    "last step"),
         )}
         self.rank_restarts = mx.gauge("trainer_rank_restarts", "Restarts of the trainer's rank group")
         self.cost = mx.counter("trainer_cost_usd_total", "Sampling dollars of the trained batches")

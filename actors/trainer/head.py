@@ -133,7 +133,10 @@ class SupportHead(torch.autograd.Function):
             if d_hidden is not None:
                 d_hidden[s:s + chunk] = g_low @ weight
             if d_weight is not None:
-                d_weight.add_((g_low.t() @ h.to(weight.dtype)).to(dtype))
+                if d_weight.dtype == weight.dtype:  # in place: no [V, H] temporary per chunk
+                    d_weight.addmm_(g_low.t(), h.to(weight.dtype))
+                else:  # a 16-bit weight: its own matmul, summed over chunks in fp32
+                    d_weight.add_(g_low.t() @ h.to(weight.dtype))
             if d_bias is not None:
                 d_bias.add_(g.sum(0))
         return (d_hidden, None if d_weight is None else d_weight.to(weight.dtype),

@@ -64,3 +64,24 @@ def test_corrections_bench_rejects_an_unknown_name():
     proc = subprocess.run([sys.executable, "bench/corrections.py", "--scenarios", "stale99"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode != 0 and "unknown scenario or variant 'stale99'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_support_cap_bench_runs_small():
+    out, result = run_bench("bench/support_cap.py", "--caps", "8,64", "--rows", "4", "--positions", "8",
+                            "--hidden", "32", "--repeats", "1")
+    caps = result["caps"]
+    assert [c["cap"] for c in caps] == [8, 64, 151_936] and caps[-1]["baseline"]
+    assert caps[0]["wire_bytes_per_token"] < caps[1]["wire_bytes_per_token"] < caps[2]["wire_bytes_per_token"]
+    assert caps[2]["wire_bytes_per_token"] > 1_000_000  # the whole vocabulary listed
+    assert all(c["sampler_step_s"] > 0 and c["trainer_s"] > 0 for c in caps)
+    assert "x base" in out  # the table of ratios to the uncapped record
+
+
+@pytest.mark.slow
+def test_trainer_head_bench_runs_small():
+    out, result = run_bench("bench/trainer_head.py", "--tokens", "8,32", "--hidden", "16", "--chunk-mb", "1")
+    assert {(r["arm"], r["tokens"]) for r in result["rows"]} == {(a, n) for a in ("plain", "chunked") for n in (8, 32)}
+    assert all(r["peak_rss_mb"] > 0 and r["seconds"] > 0 for r in result["rows"])
+    assert set(result["kb_per_token"]) == {"plain", "chunked"}
+    assert "memory per generated token" in out
