@@ -44,6 +44,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .credentials import ROLES, Credential, CredentialError, CredentialStore, UnknownCredential, permits
+from .protocol import MAX_WEBSOCKET_MESSAGE
 
 __all__ = ["BACKLOG", "KEEP_ALIVE_S", "ControlPlane", "MountTable", "build_app", "serve_control"]
 
@@ -296,6 +297,7 @@ async def serve_control(app: ASGIApp, host: str, port: int, *,
     # open this long too, which costs a socket each.
     cfg.keep_alive_timeout = KEEP_ALIVE_S
     cfg.backlog = BACKLOG
+    cfg.websocket_max_message_size = MAX_WEBSOCKET_MESSAGE  # a remote's long Generation or Trajectory
     if (certfile is None) != (keyfile is None):
         raise ValueError("serve_control: TLS needs both a certificate and a key file")
     if certfile is not None:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # torch is imported lazily, inside the helpers that need it
 __all__ = [
     "DTYPES",
     "DTYPE_NAMES",
+    "MAX_WEBSOCKET_MESSAGE",
     "PROTOCOL_VERSION",
     "BadMessage",
     "Codec",
@@ -67,6 +68,13 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 """Version of the message catalogue; raised when a message *type* is added."""
+
+MAX_WEBSOCKET_MESSAGE = 256 << 20
+"""The largest message either end of a WebSocket of fleetrl accepts (the control plane's
+join endpoints, remote samplers and workers): 256 MiB, about 60,000 generated tokens of
+a capped record (4-6 KB a token at a real vocabulary) in one `Generation` or
+`Trajectory`. The libraries' defaults (1 MiB in trio-websocket, 16 MiB in hypercorn)
+would cut a remote call of a few hundred to a few thousand tokens."""
 
 # --------------------------------------------------------------------------- structs
 

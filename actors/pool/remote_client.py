@@ -34,7 +34,7 @@ from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 from fleetrl.actors.samplers.base import served_identity
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.errors import BadMessage
-from fleetrl.daemon.protocol import DTypeName, Rejected
+from fleetrl.daemon.protocol import MAX_WEBSOCKET_MESSAGE, DTypeName, Rejected
 from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
 
 from .batcher import Batcher
@@ -79,7 +79,8 @@ async def connect(url: str, *, connect_timeout_s: float = 30.0,
     try:
         async with trio.open_nursery() as nursery:  # runs the reader task only
             with trio.fail_after(connect_timeout_s):
-                ws = await wrap_client_stream(nursery, stream, parts.hostname, resource)
+                ws = await wrap_client_stream(nursery, stream, parts.hostname, resource,
+                                              max_message_size=MAX_WEBSOCKET_MESSAGE)
             try:
                 yield ws
             except BaseException as exc:  # re-raised below, not wrapped in a group
