@@ -500,7 +500,8 @@ def _vocabulary_metrics(lpS: Tensor, valid: Tensor | None, m: Tensor, keep: Tens
     listed_p = lpS.detach().double().exp().masked_fill(~valid, 0.0).sum(-1) if valid is not None else None
     pi = (1.0 - listed_p).clamp(min=0.0) if listed_p is not None else torch.ones_like(tau)
     W = max_weight(config)
-    bound = 2.0 * (W * tau if config.weighting == "none" else torch.minimum(W * tau, pi))
+    w_tau = W * tau if math.isfinite(W) else torch.where(tau > 0, math.inf, 0.0).to(tau)  # inf * 0 is 0 here
+    bound = 2.0 * (w_tau if config.weighting == "none" else torch.minimum(w_tau, pi))
     kept = keep & vocab
     out.update(vocabulary_tokens=float(n), tail_mass_sum=float(tau[rows].sum()), tail_mass_max=float(tau[rows].max()),
                tail_mass_mean=float(tau[rows].mean()))

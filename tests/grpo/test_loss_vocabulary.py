@@ -149,3 +149,18 @@ def test_bad_whole_vocabulary_input_is_named():
     with pytest.raises(BadLossInput, match="need gathered.sampled"):
         policy_loss_gathered(gathered, c["tokens"], c["lqa"], c["ids"], c["lq"], c["adv"], c["mask"], config,
                              vocab_size=8, vocabulary=torch.ones(1, dtype=torch.bool))
+
+
+def test_an_unbounded_band_bounds_the_centering_error_by_the_trainer_tail():
+    """mask_high = inf: W is unbounded, so the bound is 2 pi, the trainer's own mass
+    outside the listing (finite, never NaN, even where the sampler's tail is 0)."""
+    config = CorrectionConfig(weighting="mask", mask_low=0.0, mask_high=math.inf, centering=True)
+    c = case(4, 2, 5, 20, 4)
+    c["tail"][0, 0] = 0.0
+    _, g_l, met = grads(c, config, listed=True)
+    _, g_f, _ = grads(c, config, listed=False)
+    assert math.isfinite(met["centering_bound_max"]) and met["centering_bound_max"] <= 2.0
+    n = met["tokens_counted"]
+    diff = (g_l - g_f).abs().sum(-1)
+    pi = 1 - torch.softmax(c["z"], -1).gather(-1, c["ids"]).sum(-1)
+    assert bool((diff <= c["adv"].abs()[:, None] / n * 2 * pi + 1e-12).all())
