@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 __all__ = ["decoder_layers", "full_bf16_state", "full_state", "has_activation_checkpointing", "is_sharded",
+           "published_names",
            "shard_model", "use_sum_reduction"]
 
 
@@ -115,11 +116,22 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
     return {k: state[k] for k in order}
 
 
+def published_names(model: nn.Module) -> list[str]:
+    """The state-dict names whose tensors the trainer publishes, in state-dict order: each
+    tensor once. A parameter shared by two modules (the LM head tied to the embedding, as
+    in Qwen3-0.6B) is published under its first name only, the one a Hugging Face
+    checkpoint stores and every sampler loads; the state dict lists it under both."""
+    first = {name for name, _ in model.named_parameters()}
+    shared = {name for name, _ in model.named_parameters(remove_duplicate=False)} - first
+    return [k for k in model.state_dict().keys() if k not in shared]
+
+
 def full_bf16_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The canonical bf16 weights to publish, on rank 0 (None on the others): the same
-    tensors `fleetrl.actors.trainer.step.master_bf16` gives for the unsharded model.
-    A collective for a sharded model: every rank calls it."""
+    tensors `fleetrl.actors.trainer.step.master_bf16` gives for the unsharded model
+    (`published_names`). A collective for a sharded model: every rank calls it."""
+    names = published_names(model)
     state = full_state(model)
     if state is None:
         return None
-    return {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state.items()}
+    return {k: state[k].detach().to("cpu", torch.bfloat16).contiguous() for k in names}

@@ -60,7 +60,7 @@ from fleetrl.grpo import CorrectionConfig, SupportLogits, policy_loss_gathered, 
 
 from .batch import Batch, split_rows
 from .collective import Collective, LocalCollective, gather_bytes
-from .fsdp import has_activation_checkpointing, is_sharded, use_sum_reduction
+from .fsdp import has_activation_checkpointing, is_sharded, published_names, use_sum_reduction
 from .head import DEFAULT_LOGITS_CHUNK_BYTES, SupportHead, final_hidden, lm_head, support_logits
 from .prefix import plain_hidden, shared_prompt_hidden
 from .step_figures import SUM_KEYS, RowDetail, _Details, _Sums, combine_figures, metrics_fields, mismatch_sums
@@ -364,8 +364,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 
 def master_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The canonical bf16 weights to publish: state-dict order, HF names, CPU."""
-    return {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    """The canonical bf16 weights to publish: state-dict order, HF names, CPU, each tensor
+    once (a tied head under the embedding's name only: `fsdp.published_names`)."""
+    state = model.state_dict()
+    return {k: state[k].detach().to("cpu", torch.bfloat16).contiguous() for k in published_names(model)}
 
 
 def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
