@@ -65,8 +65,7 @@ def _backend_factory(sc: LocalSamplerConfig, max_support: int) -> Callable[[], A
                                                    fp8_scheme=sc.fp8_scheme, matmul=sc.matmul,
                                                    max_support=max_support))
         from fleetrl.actors.samplers import vllm_backend
-        return vllm_backend.VllmBackend(vllm_backend.VllmBackendConfig(model_dir=sc.model_dir, dtype=sc.dtype,
-                                                                       max_support=max_support))
+        return vllm_backend.VllmBackend(vllm_backend.VllmBackendConfig.of(sc.model_dir, sc.dtype, max_support, sc.vllm))
     return build
 
 

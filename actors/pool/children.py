@@ -102,6 +102,8 @@ def child_argv(sc: LocalSamplerConfig, launch: Launch, *, parent_pid: int) -> li
             "--max-support", str(launch.max_support)]
     if sc.backend == "torch":
         argv += ["--fp8-scheme", sc.fp8_scheme, "--matmul", sc.matmul]
+    else:
+        argv += ["--vllm", msgspec.json.encode(sc.vllm).decode()]
     if launch.weights_url is not None:
         argv += ["--weights", launch.weights_url]
     if launch.ca_file is not None:

@@ -41,6 +41,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-support", type=int, default=None, metavar="N",
                    help="the most tokens one token is drawn from (default: fleetrl's cap, 512; it bounds each "
                         "token's record, docs/reference/corrections.md)")
+    p.add_argument("--vllm", default=None, metavar="JSON",
+                   help='the vLLM backend\'s engine settings as a JSON object, e.g. \'{"max_model_len": 4096, '
+                        '"cpu_kv_cache_bytes": 1073741824}\' (VllmEngineConfig, docs/reference/vllm.md)')
     p.add_argument("--max-batch", type=int, default=64, metavar="N",
                    help="most requests decoded in one backend call (concurrent requests are batched)")
     p.add_argument("--weights", default=None, metavar="URL",
@@ -82,7 +85,7 @@ def run_command(args: argparse.Namespace) -> int:
         exit_with_parent(args.parent_pid)
     import structlog
 
-    from .remote_client import JoinRefused, RemoteClientConfig, build_backend
+    from .remote_client import JoinRefused, RemoteClientConfig, build_backend, vllm_engine
 
     if not args.token:
         print("fleetrl sampler: --token is required (or set FLEETRL_FLEET_TOKEN)", file=sys.stderr)
@@ -94,7 +97,8 @@ def run_command(args: argparse.Namespace) -> int:
                                  capacity=args.capacity, max_batch=args.max_batch, weights_url=args.weights,
                                  weights_token=args.weights_token, name=args.name, ca_file=args.ca_file,
                                  weights_mirror=args.weights_mirror,
-                                 **({} if args.max_support is None else {"max_support": args.max_support}))
+                                 **({} if args.max_support is None else {"max_support": args.max_support}),
+                                 **({} if args.vllm is None else {"vllm": vllm_engine(args.vllm)}))
         backend = build_backend(cfg)
     except (ValueError, OSError) as exc:
         print(f"fleetrl sampler: {exc}", file=sys.stderr)

@@ -6,6 +6,7 @@ import re
 from typing import Annotated, Literal
 
 import msgspec
+from fleetrl.actors.samplers.vllm_setup import VllmEngineConfig
 from fleetrl.daemon.config import RestartPolicy
 from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
 
@@ -33,6 +34,10 @@ class LocalSamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     matmul: Literal["auto", "native", "fp32", "fp16_accumulate"] = "auto"
     """How a torch sampler of a low precision multiplies (`TorchBackendConfig.matmul`);
     ``fp16_accumulate`` (fp16 only) emulates fp16 accumulation."""
+    vllm: VllmEngineConfig = VllmEngineConfig()
+    """A vLLM sampler's engine settings (``vllm = { max_model_len = 4096, cpu_kv_cache_bytes
+    = 1073741824 }``; `VllmEngineConfig`): a real model's context often needs a smaller
+    ``max_model_len`` or a larger KV cache than the defaults on a CPU."""
     process: bool = False
     """Run this sampler as a child process of the daemon that joins the pool over the
     remote protocol (`fleetrl sampler --join`) under this id, restarted by the pool after
@@ -46,6 +51,8 @@ class LocalSamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         if self.backend != "torch" and (self.fp8_scheme != "block128" or self.matmul != "auto"):
             raise ValueError(f"sampler {self.id!r}: fp8_scheme and matmul are settings of the torch backend, "
                              f"not of {self.backend}")
+        if self.backend != "vllm" and self.vllm != VllmEngineConfig():
+            raise ValueError(f"sampler {self.id!r}: vllm holds settings of the vllm backend, not of {self.backend}")
 
 
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

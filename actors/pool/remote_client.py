@@ -32,6 +32,7 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, wrap_client_stream
 
 from fleetrl.actors.samplers.base import served_identity
+from fleetrl.actors.samplers.vllm_setup import VllmEngineConfig
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.errors import BadMessage
 from fleetrl.daemon.protocol import MAX_WEBSOCKET_MESSAGE, DTypeName, Rejected
@@ -138,6 +139,8 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     max_support: int = DEFAULT_MAX_SUPPORT
     """The most tokens one token is drawn from (the backend's ``max_support``): the bound
     on every token's record; the daemon's pool may ask for fewer per request."""
+    vllm: VllmEngineConfig = VllmEngineConfig()
+    """The vLLM backend's engine settings (``--vllm JSON``)."""
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.join_url)
@@ -168,6 +171,8 @@ class RemoteClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             raise ValueError(f"matmul must be auto, native, fp32 or fp16_accumulate, got {self.matmul!r}")
         if self.backend != "torch" and (self.fp8_scheme != "block128" or self.matmul != "auto"):
             raise ValueError(f"fp8_scheme and matmul are settings of the torch backend, not of {self.backend}")
+        if self.backend != "vllm" and self.vllm != VllmEngineConfig():
+            raise ValueError(f"--vllm holds settings of the vllm backend, not of {self.backend}")
 
 
 def build_backend(cfg: RemoteClientConfig) -> Any:
@@ -180,7 +185,15 @@ def build_backend(cfg: RemoteClientConfig) -> Any:
                                                fp8_scheme=cfg.fp8_scheme, matmul=cfg.matmul,
                                                max_support=cfg.max_support))
     from fleetrl.actors.samplers.vllm_backend import VllmBackend, VllmBackendConfig
-    return VllmBackend(VllmBackendConfig(model_dir=cfg.model_dir, dtype=cfg.dtype, max_support=cfg.max_support))
+    return VllmBackend(VllmBackendConfig.of(cfg.model_dir, cfg.dtype, cfg.max_support, cfg.vllm))
+
+
+def vllm_engine(text: str) -> VllmEngineConfig:
+    """``--vllm``'s JSON object as engine settings; ValueError naming what is wrong."""
+    try:
+        return msgspec.json.decode(text.encode(), type=VllmEngineConfig)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"--vllm: {exc}") from None
 
 
 async def run_remote(cfg: RemoteClientConfig, backend: Any, *, log: Any = None,

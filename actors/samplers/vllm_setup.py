@@ -13,22 +13,22 @@ import msgspec
 from fleetrl.daemon.protocol import DTypeName
 from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
 
-__all__ = ["VllmBackendConfig", "check_cpu_head_size", "eos_id", "hide_llvmlite_from_kernel_scan", "read_config"]
+__all__ = ["VllmBackendConfig", "VllmEngineConfig", "check_cpu_head_size", "eos_id", "hide_llvmlite_from_kernel_scan", "read_config"]
 
 
-class VllmBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Configuration of one vLLM sampler. Invalid values raise ValueError naming the field."""
+class VllmEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The engine's own settings of a vLLM sampler: what a pool's sampler entry sets in
+    its ``vllm`` table (`fleetrl.actors.pool.config.LocalSamplerConfig`) and a remote
+    sampler with ``--vllm``. Invalid values raise ValueError naming the field."""
 
-    model_dir: str
-    """A saved Hugging Face model directory (config.json + *.safetensors)."""
-    dtype: DTypeName = "bf16"
-    """Engine dtype; "fp8" = vLLM online fp8 quantisation of the linear layers (GPU only)."""
     max_model_len: int | None = None
-    """Longest prompt + generation; None: the model's max_position_embeddings."""
+    """Longest prompt + generation; None: the model's max_position_embeddings (40,960 for
+    Qwen3-0.6B, whose KV cache for that many tokens is more than the CPU default below)."""
     max_num_seqs: int = 64
     """Most sequences vLLM decodes in one step."""
     cpu_kv_cache_bytes: int = 256 << 20
-    """KV cache size on the CPU build (vLLM's default reserves most of the host memory)."""
+    """KV cache size on the CPU build (vLLM's default reserves most of the host memory);
+    it must hold ``max_model_len`` tokens of the model."""
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory vLLM may take (GPU builds only)."""
     enable_prefix_caching: bool = False
@@ -38,26 +38,43 @@ class VllmBackendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     """Skip CUDA-graph capture (faster start; the tiny model gains nothing from graphs)."""
     engine_seed: int = 0
     """vLLM's global seed (requests always carry their own seeds)."""
+
+    def __post_init__(self) -> None:
+        o = type(self).__name__
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"{o}.max_model_len must be >= 2 or None, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"{o}.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.cpu_kv_cache_bytes < 1 << 20:
+            raise ValueError(f"{o}.cpu_kv_cache_bytes must be >= 1 MiB, got {self.cpu_kv_cache_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"{o}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+class VllmBackendConfig(VllmEngineConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Configuration of one vLLM sampler: its model, dtype and support cap, and the
+    engine's settings (`VllmEngineConfig`). Invalid values raise ValueError naming the field."""
+
+    model_dir: str
+    """A saved Hugging Face model directory (config.json + *.safetensors)."""
+    dtype: DTypeName = "bf16"
+    """Engine dtype; "fp8" = vLLM online fp8 quantisation of the linear layers (GPU only)."""
     max_support: int = DEFAULT_MAX_SUPPORT
     """The most tokens one token is drawn from, whatever the request's top_k (which
     lowers it), and the most log-probs asked of the engine per token (vLLM's
     ``max_logprobs``): the bound on every token's record."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if isinstance(self.max_support, bool) or not isinstance(self.max_support, int) or self.max_support < 1:
             raise ValueError(f"VllmBackendConfig.max_support must be an int >= 1, got {self.max_support!r}")
         if not self.model_dir:
             raise ValueError("VllmBackendConfig.model_dir must be a model directory, got an empty string")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"VllmBackendConfig.max_model_len must be >= 2 or None, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"VllmBackendConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.cpu_kv_cache_bytes < 1 << 20:
-            raise ValueError(f"VllmBackendConfig.cpu_kv_cache_bytes must be >= 1 MiB, got {self.cpu_kv_cache_bytes}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"VllmBackendConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+
+    @classmethod
+    def of(cls, model_dir: str, dtype: DTypeName, max_support: int, engine: VllmEngineConfig) -> VllmBackendConfig:
+        """The backend config of a model with the engine settings ``engine``."""
+        return cls(model_dir=model_dir, dtype=dtype, max_support=max_support, **msgspec.structs.asdict(engine))
 
 
 def hide_llvmlite_from_kernel_scan() -> None:

@@ -36,7 +36,10 @@ from fleetrl.actors.pool.remote_client import (
     RemoteClientConfig,
     build_backend,
     serve_once,
+    vllm_engine,
 )
+from fleetrl.actors.samplers.vllm_setup import VllmBackendConfig, VllmEngineConfig
+from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
 from fleetrl.actors.pool.remote_server import Reservations, fleet_app
 from fleetrl.actors.samplers import TorchBackend, TorchBackendConfig
 from fleetrl.daemon import messages as m
@@ -278,10 +281,23 @@ def test_child_command_line_is_what_the_sampler_cli_reads(model_dir):
     # the flags reach the torch backend, in a child and in the daemon's process alike
     cfg = RemoteClientConfig(join_url=launch.join_url, token="t", backend="torch", dtype="fp8",
                              model_dir=str(model_dir), fp8_scheme=args.fp8_scheme, matmul=args.matmul)
-    for backend in (build_backend(cfg), _backend_factory(sc)()):
+    for backend in (build_backend(cfg), _backend_factory(sc, DEFAULT_MAX_SUPPORT)()):
         assert (backend.config.fp8_scheme, backend.config.matmul) == ("tensor", "native")
-    vllm = LocalSamplerConfig(id="v", model_dir=str(model_dir), backend="vllm", dtype="bf16", process=True)
-    assert "--fp8-scheme" not in child_argv(vllm, launch, parent_pid=1)
+    vllm = LocalSamplerConfig(id="v", model_dir=str(model_dir), backend="vllm", dtype="bf16", process=True,
+                              vllm=VllmEngineConfig(max_model_len=2048, cpu_kv_cache_bytes=64 << 20))
+    vargv = child_argv(vllm, launch, parent_pid=1)
+    assert "--fp8-scheme" not in vargv
+    # the pool's cap and a vLLM sampler's engine settings reach the child's backend config
+    vargs = build_parser().parse_args(vargv[3:])
+    assert vargs.max_support == DEFAULT_MAX_SUPPORT
+    assert vllm_engine(vargs.vllm) == vllm.vllm
+    small = Launch(join_url=launch.join_url, max_support=64)
+    assert build_parser().parse_args(child_argv(sc, small, parent_pid=1)[3:]).max_support == 64
+    assert VllmBackendConfig.of(str(model_dir), "bf16", 64, vllm.vllm).max_model_len == 2048
+    with pytest.raises(ValueError, match="--vllm: .*max_model_len must be >= 2"):
+        vllm_engine('{"max_model_len": 1}')
+    with pytest.raises(ValueError, match="--vllm holds settings of the vllm backend, not of torch"):
+        RemoteClientConfig(join_url=launch.join_url, token="t", vllm=VllmEngineConfig(max_num_seqs=2))
     with pytest.raises(ValueError, match="matmul must be auto, native, fp32 or fp16_accumulate"):
         RemoteClientConfig(join_url=launch.join_url, token="t", matmul="fast")
     with pytest.raises(ValueError, match="settings of the torch backend, not of vllm"):
@@ -298,6 +314,13 @@ def test_pool_config_refuses_what_child_samplers_cannot_use(tmp_path):
         pool(samplers=[{"id": "v", "model_dir": "m", "backend": "vllm", "matmul": "fp32"}])
     with pytest.raises(msgspec.ValidationError, match='sampler .h.: matmul = "fp16_accumulate" needs dtype = "fp16"'):
         pool(samplers=[{"id": "h", "model_dir": "m", "dtype": "bf16", "matmul": "fp16_accumulate"}])
+    with pytest.raises(msgspec.ValidationError, match="sampler 't': vllm holds settings of the vllm backend"):
+        pool(samplers=[{"id": "t", "model_dir": "m", "vllm": {"max_model_len": 64}}])
+    with pytest.raises(msgspec.ValidationError, match="max_model_len must be >= 2"):
+        pool(samplers=[{"id": "v", "model_dir": "m", "backend": "vllm", "vllm": {"max_model_len": 1}}])
+    assert pool(max_support=64, whole_vocabulary=True).max_support == 64
+    with pytest.raises(msgspec.ValidationError, match="max_support"):
+        pool(max_support=0)
     with pytest.raises(msgspec.ValidationError, match="weights_prefix 'weights/' must look like '/weights'"):
         pool(weights_prefix="weights/")
     with pytest.raises(msgspec.ValidationError, match="process_restart.intensity|intensity"):

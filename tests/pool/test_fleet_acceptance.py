@@ -37,6 +37,7 @@ from fleetrl.actors.weights.http import blob_app
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.control import MountTable, build_app, serve_control
 from fleetrl.daemon.protocol import Tensor, config_dtype
+from fleetrl.daemon.tokens import DEFAULT_MAX_SUPPORT
 
 from .test_remote import TOKEN, _Plane
 
@@ -133,8 +134,8 @@ async def test_two_local_two_remote_follow_versions_fail_over_and_refuse(fleet_m
                            LocalSamplerConfig(id="loc-vllm", model_dir=str(fleet_model), backend="vllm",
                                               dtype="bf16", capacity=2)):
                     n.start_soon(lambda sc=sc: pool.keep_local(
-                        sc.id, _backend_factory(sc), price_per_hour=PRICES[sc.id], capacity=sc.capacity,
-                        restart_backoff_s=0.5, on_start=_follower_for(pool, source, n, pauses)))
+                        sc.id, _backend_factory(sc, DEFAULT_MAX_SUPPORT), price_per_hour=PRICES[sc.id],
+                        capacity=sc.capacity, restart_backoff_s=0.5, on_start=_follower_for(pool, source, n, pauses)))
                 await _until(lambda: len(by_name()) == 4, "four samplers join", procs)
 
                 # the intruder is refused, and never becomes a member
