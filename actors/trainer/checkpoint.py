@@ -27,6 +27,7 @@ from safetensors.torch import save as st_save
 from fleetrl.actors.buffer import BufferState, RolloutBuffer
 
 from .errors import CheckpointError
+from .fsdp import published_names
 
 __all__ = ["CheckpointError", "TrainerCheckpoint", "capture", "decode", "encode", "model_fingerprint",
            "model_parts", "restore", "restore_model"]
@@ -68,8 +69,11 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def model_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str | bytes]:
-    """The inline model fields of a checkpoint (fingerprint, model, optimizer, rng), copied."""
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    """The inline model fields of a checkpoint (fingerprint, model, optimizer, rng), copied;
+    a tensor shared by two modules (a tied LM head) once, under its first name
+    (`fsdp.published_names`: safetensors refuses tensors that share memory)."""
+    own = model.state_dict()
+    state = {k: own[k].detach().cpu().contiguous() for k in published_names(model)}
     opt = io.BytesIO()
     torch.save(optimizer.state_dict(), opt)
     return dict(fingerprint=model_fingerprint(model), model=st_save(state), optimizer=opt.getvalue(),
@@ -117,9 +121,10 @@ def restore_model(ckpt: TrainerCheckpoint, model: torch.nn.Module, optimizer: to
         raise CheckpointError(f"trainer checkpoint at step {ckpt.step} keeps its model in the sharded "
                               f"checkpoint {ckpt.sharded}, not inline")
     tensors = st_load(ckpt.model)
+    own = model.state_dict()
     with torch.no_grad():
-        for k, v in model.state_dict().items():
-            v.copy_(tensors[k])
+        for k in published_names(model):  # a tied tensor is loaded once, through its first name
+            own[k].copy_(tensors[k])
     try:
         opt_state = torch.load(io.BytesIO(ckpt.optimizer), weights_only=True)
         optimizer.load_state_dict(opt_state)

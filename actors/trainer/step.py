@@ -371,11 +371,13 @@ def master_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``tensors`` into ``model``'s parameters in place (bit-exact)."""
+    """Copy ``tensors`` into ``model``'s parameters in place (bit-exact); a tied tensor
+    needs only its first name (`fsdp.published_names`)."""
     with torch.no_grad():
         own = model.state_dict()
-        missing = set(own) - set(tensors)
+        names = published_names(model)
+        missing = set(names) - set(tensors)
         if missing:
             raise ValueError(f"checkpoint lacks model tensors {sorted(missing)[:5]}")
-        for k, v in own.items():
-            v.copy_(tensors[k])
+        for k in names:
+            own[k].copy_(tensors[k])

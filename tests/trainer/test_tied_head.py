@@ -43,3 +43,24 @@ def test_a_tied_head_is_published_once_and_a_sampler_follows_it(tmp_path, groups
     assert torch.equal(held.to(torch.bfloat16), new["model.embed_tokens.weight"])
     [gen] = sampler.generate([[1, 72, 105]], SamplingParams(max_tokens=3, seed=1))
     assert set(np.asarray(gen.versions.to_numpy()).tolist()) == {1}
+
+
+def test_the_in_process_trainer_checkpoints_a_tied_model(tmp_path):
+    """safetensors refuses tensors that share memory: the checkpoint holds the tied
+    tensor once and a restore brings both names back (they are one tensor)."""
+    from fleetrl.actors.buffer import BufferConfig, RolloutBuffer
+    from fleetrl.actors.trainer import checkpoint as ck
+
+    spec = msgspec.structs.replace(tiny_spec("qwen3"), tie_word_embeddings=True)
+    path = create_tiny_model(tmp_path / "tied", "qwen3", spec, seed=4)
+    model = load_master_weights(path)
+    opt = build_optimizer(model, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.5)  # differs from the saved model
+    buffer = RolloutBuffer(BufferConfig())
+    data = ck.encode(ck.capture(model, opt, buffer, step=3, version=3, task_cursor=0))
+    fresh = load_master_weights(path)
+    ck.restore(ck.decode(data), fresh, build_optimizer(fresh, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                                                       weight_decay=0.0), RolloutBuffer(BufferConfig()))
+    assert torch.equal(fresh.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
