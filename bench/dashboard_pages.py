@@ -42,7 +42,6 @@ Run: .venv/bin/python bench/dashboard_pages.py [--steps 400] [--pages 8] [--arms
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -70,6 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "common"))
 from browser import Page, chromium_binary  # noqa: E402  (tests/common/browser.py: one tab over CDP)
 from cpu import cpu_model  # noqa: E402  (bench/cpu.py)
+from daemon_runs import killpg, stop_daemon, tiny_config  # noqa: E402  (bench/daemon_runs.py)
 
 ARMS = ("none", "streams", "browsers")
 POLL_S = 5.0
@@ -97,17 +97,8 @@ def machine() -> dict[str, Any]:
 
 # -- the run's config ------------------------------------------------------------------
 
-def _derive():
-    """tests/e2e/tiny_config.py's `derive` (configs/tiny.toml with keys overridden)."""
-    spec = importlib.util.spec_from_file_location("_tiny_config", ROOT / "tests" / "e2e" / "tiny_config.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.derive
-
-
 def run_config(state: Path, models: Path, args: argparse.Namespace) -> str:
-    return _derive()(state, {
+    return tiny_config().derive(state, {
         "logging": {"console": '"none"'},
         "actors.warm_start.config": {"cache_dir": json.dumps(str(models)), "progress": "false"},
         "actors.trainer.config": {"groups_per_step": str(args.groups), "max_steps": str(args.steps),
@@ -121,34 +112,12 @@ def run_config(state: Path, models: Path, args: argparse.Namespace) -> str:
 
 # -- processes ---------------------------------------------------------------------------
 
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
         return True
     except (ProcessLookupError, PermissionError):
         return False
-
-
-def stop_daemon(proc: subprocess.Popen, grace_s: float) -> int:
-    """SIGTERM (drain), a second SIGTERM (forced), SIGKILL; every process of its group."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
-        if proc.poll() is not None:
-            break
-        _killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-    code = proc.wait()
-    _killpg(proc.pid, signal.SIGKILL)  # anything of its group that outlived it
-    return code
 
 
 def group_cpu_s(pgid: int) -> float:
@@ -302,17 +271,17 @@ class Chromium:
         if self.proc is None:
             return
         self.cpu_s = group_cpu_s(self.proc.pid)
-        _killpg(self.proc.pid, signal.SIGTERM)
+        killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        _killpg(self.proc.pid, signal.SIGKILL)
+        killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         for _ in range(50):  # renderers and helpers of the group
             if not _group_alive(self.proc.pid):
                 break
-            _killpg(self.proc.pid, signal.SIGKILL)
+            killpg(self.proc.pid, signal.SIGKILL)
             time.sleep(0.1)
         self.proc = None
 
@@ -503,7 +472,7 @@ async def run_arm(arm: str, args: argparse.Namespace, out: Path, models: Path) -
             chrome.close()
             if proc.poll() is None:
                 stop_daemon(proc, 60.0)
-            _killpg(proc.pid, signal.SIGKILL)
+            killpg(proc.pid, signal.SIGKILL)
     result.update(exit_code=code, wall_s=round(time.monotonic() - t0, 1),
                   exit_s=round(time.monotonic() - last_step_at, 1) if last_step_at is not None else None)
     rows = [row for row, _ in MetricsTail(metrics).poll()]

@@ -124,6 +124,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from cpu import cpu_model  # noqa: E402  (bench/cpu.py)
+from daemon_runs import killpg, stop_daemon, tiny_config  # noqa: E402  (bench/daemon_runs.py)
 
 GPU_TOML = ROOT / "configs" / "gpu.toml"
 SIZES = ("0.6b", "tiny-151k")
@@ -265,47 +266,6 @@ def vllm_importable() -> str | None:
 
 # -- the config: configs/gpu.toml, derived --------------------------------------------------
 
-def _section_bounds(lines: list[str], header: str) -> tuple[int, int]:
-    start = next((i for i, line in enumerate(lines) if line.strip() == header), None)
-    if start is None:
-        raise KeyError(f"configs/gpu.toml has no section {header}")
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
-    return start, end
-
-
-def derive(text: str, overrides: dict[str, dict[str, str | None]], *, drop: tuple[str, ...] = (),
-           samplers: str | None = None) -> str:
-    """``text`` with keys overridden (section header -> key -> TOML literal, None removes
-    the key; a missing key is added under its header), whole sections dropped, and the
-    ``[[actors.pool.config.samplers]]`` tables replaced by ``samplers``. Checked to parse."""
-    import tomllib
-
-    if samplers is not None:
-        start, end = text.index("[[actors.pool.config.samplers]]"), text.index("[actors.env]")
-        text = text[:start] + samplers + "\n" + text[end:]
-    lines = text.splitlines()
-    for header in drop:
-        start, end = _section_bounds(lines, f"[{header}]")
-        del lines[start:end]
-    for section, keys in overrides.items():
-        start, end = _section_bounds(lines, f"[{section}]")
-        for key, value in keys.items():
-            pat = re.compile(rf"^{re.escape(key)}\s*=")
-            at = next((i for i in range(start + 1, end) if pat.match(lines[i])), None)
-            if value is None:
-                if at is not None:
-                    del lines[at]
-                    end -= 1
-            elif at is None:
-                lines.insert(start + 1, f"{key} = {value}")
-                end += 1
-            else:
-                lines[at] = f"{key} = {value}"
-    out = "\n".join(lines) + "\n"
-    tomllib.loads(out)
-    return out
-
-
 def sampler_tables(torch_model: Path | None, vllm_model: Path | None, device: str, capacity: int,
                    vllm_max_model_len: int | None = None) -> str:
     q = json.dumps
@@ -361,7 +321,7 @@ def run_config(arm: str, state: Path, model: Path, torch_model: Path | None, vll
     text = GPU_TOML.read_text()
     text = text[text.index("[daemon]"):]  # its header comment is about running it as it is
     return (f"# bench/real_size.py: trainer layout {ARM_NAMES[arm]}, derived from configs/gpu.toml\n"
-            + derive(text, overrides, drop=drop, samplers=sampler_tables(torch_model, vllm_model, args.device,
+            + tiny_config().edit_toml(text, overrides, drop=drop, name=GPU_TOML.name, samplers=sampler_tables(torch_model, vllm_model, args.device,
                                                                      attempts, args.vllm_max_model_len)))
 
 
@@ -572,38 +532,18 @@ def _first_to_go() -> None:
         pass
 
 
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def stop_daemon(proc: subprocess.Popen, grace_s: float) -> int:
-    """SIGTERM (drain), a second SIGTERM (forced), SIGKILL; every process of its group."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGTERM, 30.0), (signal.SIGKILL, 15.0)):
-        if proc.poll() is not None:
-            break
-        _killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-    return proc.wait()
-
-
 def kill_leftovers(proc: subprocess.Popen, watch: Watch | None, state: Path) -> list[str]:
     """Kill the daemon's group and every group seen below it that is still alive (the same
     process: its start time is checked); remove the state directory's sandbox containers.
     Returns what had to be killed or removed."""
     left: list[str] = []
-    _killpg(proc.pid, signal.SIGKILL)
+    killpg(proc.pid, signal.SIGKILL)
     if watch is not None:
         for pid, start in watch.session_leaders():
             st = _proc_stat(pid)
             if st is not None and st[2] == start:
                 left.append(f"process group {pid} ({watch.procs[(pid, start)]['label']})")
-                _killpg(pid, signal.SIGKILL)
+                killpg(pid, signal.SIGKILL)
     try:
         from fleetrl.sandboxes import state_hash
 
@@ -708,10 +648,10 @@ def run_arm(key: str, label: str, arm: str, args: argparse.Namespace, work: Path
                 time.sleep(1.0)
             code = proc.poll()
             if code is None:
-                code = stop_daemon(proc, 300.0)
+                code = stop_daemon(proc, 300.0, forced_s=30.0)
         finally:
             if proc.poll() is None:
-                code = stop_daemon(proc, 60.0)
+                code = stop_daemon(proc, 60.0, forced_s=30.0)
             if watch is not None:
                 watch.stop.set()
                 watch.join(timeout=30)
