@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .construction import MODEL_CONSTRUCTION
 from .errors import ModelDirError
 from .families import read_model_config
 
@@ -62,7 +63,8 @@ def load_model(directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.
     config = read_model_config(path)
     if not sorted(path.glob("*.safetensors")):
         raise ModelDirError(f"{path}: no *.safetensors weight file")
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    with MODEL_CONSTRUCTION:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     return model.eval()
 
 

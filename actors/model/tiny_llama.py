@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from fleetrl.actors.model.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_byte_tokenizer
 
+from .construction import MODEL_CONSTRUCTION
 from .errors import ModelDirError
 from .families import read_model_config
 from .loading import load_master_weights, read_state_dict
@@ -119,7 +120,7 @@ def build_tiny_llama(spec: TinyLlamaSpec = TinyLlamaSpec(), *, seed: int) -> Lla
     The global torch RNG is left as it was: the init draws from a forked RNG.
     """
     config = llama_config(spec)
-    with torch.random.fork_rng(devices=[]):
+    with MODEL_CONSTRUCTION, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model.to(torch.float32).eval()
@@ -159,5 +160,6 @@ def read_llama_config(directory: str | os.PathLike[str]) -> LlamaConfig:
 def load_tiny_llama(directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Load a saved Llama model in `dtype`, in eval mode (any family: `load_model`)."""
     read_llama_config(directory)
-    model = LlamaForCausalLM.from_pretrained(Path(directory), dtype=dtype)
+    with MODEL_CONSTRUCTION:
+        model = LlamaForCausalLM.from_pretrained(Path(directory), dtype=dtype)
     return model.eval()

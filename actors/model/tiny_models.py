@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 
+from .construction import MODEL_CONSTRUCTION
 from .families import FAMILIES, config_class
 from .saving import save_model_directory
 from .tiny_llama import TinyLlamaSpec
@@ -179,7 +180,7 @@ def build_tiny_model(family: str, spec: TinyLlamaSpec, *, seed: int) -> torch.nn
     from transformers import AutoModelForCausalLM
 
     config = family_config(family, spec)
-    with torch.random.fork_rng(devices=[]):
+    with MODEL_CONSTRUCTION, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
         with torch.no_grad():
@@ -196,7 +197,7 @@ def parameter_count(family: str, spec: TinyLlamaSpec) -> int:
     head counted once), from a model built on the meta device: no memory, no init."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with MODEL_CONSTRUCTION, torch.device("meta"):
         model = AutoModelForCausalLM.from_config(family_config(family, spec))
     return sum(p.numel() for p in model.parameters())
 

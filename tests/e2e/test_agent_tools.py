@@ -138,6 +138,10 @@ def test_agent_tools_run_trains_through_the_external_harness(tmp_path, warm_cach
           f"{sum(used[1]) / EVAL_N:.3f} (paired z = {z_use:.2f}); fresh pass@1 {start['pass_at_1']:.3f} -> "
           f"{end['pass_at_1']:.3f} (paired z = {z:.2f}); tool-call counts changed on {changed} tasks",
           file=sys.stderr)
+    # what training did, step by step (read when the evaluation did not move: CI once saw 1 changed task)
+    print("steps (step, reward_mean, grad_norm, delta_bytes, staleness):",
+          [(s["step"], s["reward_mean"], round(s["grad_norm"], 3), s.get("delta_bytes"), s["staleness_hist"])
+           for s in steps], file=sys.stderr)
     assert changed > 0, "the end evaluation made the start's calls on every task: were the weights it used trained?"
     assert z_use > Z_95_ONE_SIDED, (sum(used[0]), sum(used[1]), z_use)
     assert z > -Z_95_ONE_SIDED, (start["pass_at_1"], end["pass_at_1"], z)
