@@ -8,7 +8,6 @@ peak memory was read, and nothing was left running."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -39,7 +38,6 @@ ARM_KEYS = {
 }
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the quick form runs a vLLM child sampler")
 def test_real_size_bench_quick(tmp_path):
     out = tmp_path / "real-size.json"
     proc = subprocess.run([sys.executable, "bench/real_size.py", "--quick", "--out", str(tmp_path / "work"),
