@@ -25,7 +25,7 @@ from fleetrl.actors.model.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SI
 from .construction import MODEL_CONSTRUCTION
 from .errors import ModelDirError
 from .families import read_model_config
-from .loading import load_master_weights, read_state_dict
+from .loading import load_master_weights, load_model, read_state_dict
 from .saving import save_model_directory
 
 __all__ = [
@@ -160,6 +160,4 @@ def read_llama_config(directory: str | os.PathLike[str]) -> LlamaConfig:
 def load_tiny_llama(directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Load a saved Llama model in `dtype`, in eval mode (any family: `load_model`)."""
     read_llama_config(directory)
-    with MODEL_CONSTRUCTION:
-        model = LlamaForCausalLM.from_pretrained(Path(directory), dtype=dtype)
-    return model.eval()
+    return load_model(directory, dtype=dtype)
