@@ -28,6 +28,7 @@ from .errors import ApiError
 from .openai_fields import bad_param as _bad
 from .openai_fields import type_name as _type_name
 from .openai_messages import chat_messages, request_tool_choice, request_tools
+from .sampling_policy import SamplingPolicy
 
 __all__ = [
     "ChatRequest",
@@ -58,6 +59,8 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     attempts waiting for the model at once; the next gets 429 ``endpoint_busy``
     (`openai_limits`). ``max_n``: the most choices (``n``) one request may ask for;
     each is a generation of its own, and each takes a waiting slot.
+    ``sampling``: what the endpoint does with the sampling settings a call sends
+    (`sampling_policy.SamplingPolicy`: honour, override or refuse).
     """
 
     model_name: str = "fleetrl"
@@ -67,6 +70,7 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_concurrent_calls_per_attempt: _PosInt = 8
     max_waiting_calls: _PosInt = 256
     max_n: _PosInt = 16
+    sampling: SamplingPolicy = SamplingPolicy()
 
     def __post_init__(self) -> None:
         if not self.model_name:

@@ -18,7 +18,7 @@ from fleetrl.grpo import CorrectionConfig
 
 from .schedule import SCHEDULES, Schedule
 
-__all__ = ["AdvantageConfig", "RanksConfig", "TrainerConfig"]
+__all__ = ["AdvantageConfig", "CorrectionAlarms", "RanksConfig", "TrainerConfig"]
 
 PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
@@ -44,6 +44,28 @@ class AdvantageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Divide by the group's reward std (GRPO as published); False = mean-only (Dr. GRPO)."""
     leave_one_out: bool = False
     """Baseline each attempt with the mean of the *other* attempts (RLOO)."""
+
+
+class CorrectionAlarms(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[actors.trainer.config.alarms]``: when a step's corrections say the samplers' tokens
+    are not what the trainer can learn from (docs/reference/corrections.md, "Alarms").
+
+    A step that masks more than ``masked_tokens`` of its tokens, or more than
+    ``masked_sequences`` of its sequences, raises an alarm (a warning event in the log, the
+    terminal and the dashboard, the step's ``alarms`` in metrics.jsonl, /status). A step
+    that masks every token stops training with an error (always: no setting turns it off)."""
+
+    masked_tokens: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.25
+    """Alarm when a step masks more than this fraction of its tokens (1.0: never)."""
+    masked_sequences: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
+    """Alarm when a step masks more than this fraction of its sequences (1.0: never)."""
+    excluded_rows: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.25
+    """Alarm when more than this fraction of a step's rows (model calls) are excluded from
+    the loss by how they were sampled (greedy calls; 1.0: never)."""
+
+    def __post_init__(self) -> None:
+        for name in ("masked_tokens", "masked_sequences", "excluded_rows"):
+            _num("CorrectionAlarms", name, getattr(self, name), low=0.0, high=1.0)
 
 
 class RanksConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -136,7 +158,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     advantage: AdvantageConfig = AdvantageConfig()
     """How rewards become advantages."""
     temperature: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] = 1.0
-    """The samplers' temperature: logits are divided by it before the loss."""
+    """The temperature of rows whose record carries no sampling settings (samplers and
+    traces of earlier releases; counted per step as ``unrecorded_rows``): every other row
+    is scored with the temperature it was sampled with."""
+    alarms: CorrectionAlarms = CorrectionAlarms()
+    """When a step's masked or excluded share raises an alarm (`CorrectionAlarms`)."""
     pass_threshold: float = 1.0
     """A trajectory with reward >= this counts as passed (the pass-rate metric)."""
     publish_window: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 8
