@@ -220,6 +220,15 @@ class ActorContext:
             raise ValueError(f"request_shutdown: reason must be a non-empty string, got {reason!r}")
         self._kernel.request_shutdown(f"requested by actor {self.name!r}: {reason}")
 
+    def halt(self, reason: str) -> None:
+        """Stop the run on an error no restart can fix (a restart would meet it again):
+        the daemon drains as on SIGTERM, writes its final checkpoint and exits with
+        ``ExitCode.HALTED`` (7); the log's ``run halted`` line and /status name this actor
+        and ``reason``. Say what is wrong and how to fix it in ``reason``."""
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"halt: reason must be a non-empty string, got {reason!r}")
+        self._kernel.halt(self.name, reason)
+
     async def request_checkpoint(self, reason: str) -> None:
         """Run every actor's checkpoint hook and write one daemon checkpoint now.
 

@@ -293,6 +293,7 @@ def group_main(registers: Iterable[Callable[[Any], None]], argv: Sequence[str] |
 GROUP_HELP = {
     "ablate": "run the corrections ablation (arms x regimes x seeds as real runs) and compare them",
     "bench": "end-to-end benchmarks",
+    "doctor": "check a config (and a run's recent figures) for training hazards",
     "model": "model directories: write random models of each family",
     "report": "write a run's plots and HTML report",
     "sampler": "run a remote sampler that joins a daemon's pool",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .messages import Generation, SamplerIdentity, TokenSegment, Trajectory
+from .messages import Generation, SamplerIdentity, SamplingRecord, TokenSegment, Trajectory
 from .protocol import Tensor
 from .tokens import SupportCSR
 
@@ -41,6 +41,7 @@ def example_generation(
         versions=Tensor.from_numpy(np.full(n_tokens, version, dtype=np.int64)),
         sampler=_EXAMPLE_SAMPLER,
         finish_reason="stop",
+        sampling=SamplingRecord(temperature=1.0, top_p=1.0, top_k=k, seed=seed),
     )
 
 

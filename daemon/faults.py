@@ -30,6 +30,8 @@ class ExitCode(enum.IntEnum):
     UNREACHABLE = 5
     #: shutdown was clean but the final checkpoint could not be written
     CHECKPOINT_FAILED = 6
+    #: an actor halted the run on an error it cannot go on past (``ctx.halt``)
+    HALTED = 7
 
 
 class DaemonError(FleetrlError):

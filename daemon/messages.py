@@ -42,7 +42,7 @@ __all__ = [
     "BlobRef", "FinishReason", "GenerateFailed", "GenerateRequest", "Generation",
     "Heartbeat", "Join", "Leave", "MismatchFigures", "Pause", "Refused", "Resume", "RolloutFailed",
     "RolloutFailureKind", "RolloutGroup", "SamplerIdentity", "SamplerMismatch", "SamplerStatus",
-    "SamplingParams", "Shutdown", "StatusReply", "StatusRequest", "SupportCSR",
+    "SamplingParams", "SamplingRecord", "Shutdown", "StatusReply", "StatusRequest", "SupportCSR",
     "TokenChunk", "TokenSegment", "Trajectory", "Welcome", "WeightVersionAvailable",
 ]
 
@@ -116,6 +116,44 @@ class SamplingParams(Record):
                              f"temperature={self.temperature!r}")
 
 
+class SamplingRecord(Record):
+    """What one model call was actually sampled with: it travels with the call's tokens
+    (`Generation.sampling`, `TokenSegment.sampling`) so the trainer scores each row with
+    the settings it was drawn with, never with an assumption of its own.
+
+    ``temperature`` (0: greedy), ``top_p``, ``top_k`` (the cap the sampler applied: the
+    call's own, or the sampler's ``max_support``; None for a whole-vocabulary draw),
+    ``seed`` (of the sampler's batch), and ``whole_vocabulary``. Built from the
+    `SamplingParams` the sampler drew with (`of`)."""
+
+    temperature: NonNegFloat
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    seed: int | None = None
+    whole_vocabulary: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"SamplingRecord.temperature must be finite and >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingRecord.top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 1):
+            raise ValueError(f"SamplingRecord.top_k must be >= 1 or None, got {self.top_k!r}")
+
+    @classmethod
+    def of(cls, params: SamplingParams, seed: int | None = None) -> SamplingRecord:
+        """The record of a call drawn with ``params`` (as the sampler applied them) and the
+        batch ``seed`` (``params.seed`` when not given)."""
+        return cls(temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k,
+                   seed=params.seed if seed is None else seed, whole_vocabulary=params.whole_vocabulary)
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the support is the argmax alone, so the call carries no gradient."""
+        return self.temperature == 0
+
+
 class SamplerIdentity(Record):
     """Which sampler produced tokens: its id, backend (e.g. "torch", "vllm"), device
     kind (e.g. "cpu", "H100"), and the dtype it computes in (e.g. "bfloat16",
@@ -133,7 +171,9 @@ class TokenSegment(Record):
     Per generated token: ``token_ids``, the sampler's log q^S (``logprobs``), the
     ``support`` it could choose from, and the weight ``versions`` that produced it.
     ``cost_usd`` is what the call cost on the sampler that answered it (copied from
-    `Generation.cost_usd`; 0.0 when the sampler has no price).
+    `Generation.cost_usd`; 0.0 when the sampler has no price). ``sampling``: what the call
+    was sampled with (`SamplingRecord`; None in records of earlier releases, which the
+    trainer scores at its configured temperature and counts).
     """
 
     prompt_ids: Tensor
@@ -144,6 +184,7 @@ class TokenSegment(Record):
     sampler: SamplerIdentity
     finish_reason: FinishReason
     cost_usd: NonNegFloat = 0.0
+    sampling: SamplingRecord | None = None
 
     def __post_init__(self) -> None:
         vector_length(self.prompt_ids, "prompt_ids", INT_DTYPES)
@@ -162,6 +203,7 @@ class TokenSegment(Record):
             sampler=gen.sampler,
             finish_reason=gen.finish_reason,
             cost_usd=gen.cost_usd,
+            sampling=gen.sampling,
         )
 
 
@@ -218,6 +260,10 @@ class Generation(Message):
     ``seed``: the RNG seed the sampler's batch was drawn with (drawn at random when the
     request had none): the batch is reproducible from it. None from samplers of
     earlier releases.
+
+    ``sampling``: the settings the call was drawn with (`SamplingRecord`), set by the
+    backend that sampled it; the sampler pool fills it from the params it sent when a
+    sampler of an earlier release leaves it None.
     """
 
     request_id: str
@@ -229,6 +275,7 @@ class Generation(Message):
     finish_reason: FinishReason
     cost_usd: NonNegFloat = 0.0
     seed: int | None = None
+    sampling: SamplingRecord | None = None
 
     def __post_init__(self) -> None:
         check_token_arrays(self.token_ids, self.logprobs, self.support, self.versions)
@@ -255,11 +302,17 @@ class TokenChunk(Message):
 
 
 class GenerateFailed(Message):
-    """A sampler could not answer a request; ``retryable`` if another try may succeed."""
+    """A sampler could not answer a request; ``retryable`` if another try may succeed.
+
+    ``cause``: a machine-readable cause where the sampler knows one (``"weight_version"``:
+    it holds older weights than the request's ``min_version``, e.g. after falling back to
+    an anchor; the pool counts such restarts per sampler); empty otherwise and from
+    samplers of earlier releases."""
 
     request_id: str
     reason: str
     retryable: bool = False
+    cause: str = ""
 
 
 # --------------------------------------------------------------------------- weights

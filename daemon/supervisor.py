@@ -25,7 +25,10 @@ including the final checkpoint, is cancelled and `run` returns ``ExitCode.FORCED
 (4); if unwinding takes more than `FORCE_EXIT_AFTER_S` seconds (an actor stuck where
 cancellation cannot reach), the process leaves with ``os._exit(4)``. The previous
 checkpoint on disk stays valid (writes are atomic). If the final checkpoint cannot be
-written (disk full), `run` returns ``ExitCode.CHECKPOINT_FAILED`` (6).
+written (disk full), `run` returns ``ExitCode.CHECKPOINT_FAILED`` (6). An actor that
+halts the run (``ctx.halt(reason)``: an error no restart can fix, e.g. a trainer whose
+corrections mask every token) starts the same graceful shutdown, and `run` returns
+``ExitCode.HALTED`` (7) with `Supervisor.halted` naming the actor and the reason.
 
 An actor that crashes more than ``intensity`` times within ``period_s`` escalates:
 the supervisor logs ``actor escalated`` naming the actor and its last error, cancels
@@ -155,6 +158,8 @@ class Supervisor:
         self._final_scope: trio.CancelScope | None = None
         self._phase = "starting"
         self.escalation: ActorEscalated | None = None
+        self.halted: str | None = None
+        """Set by `halt`: which actor halted the run, and why."""
         self.control_address: tuple[str, int] | None = None
 
     # -- the kernel API actors reach through ActorContext -------------------------
@@ -214,6 +219,13 @@ class Supervisor:
                           grace_s=self.config.daemon.grace_s)
             self._shutdown.set()
 
+    def halt(self, actor: str, reason: str) -> None:
+        """Stop the run on an error no restart can fix: graceful shutdown (the same path as
+        `request_shutdown`), and `run` returns ``ExitCode.HALTED``. The first halt wins."""
+        if self.halted is None:
+            self.halted = f"actor {actor!r}: {reason}"
+        self.request_shutdown(f"halted by actor {actor!r}: {reason}")
+
     def force_exit(self, reason: str) -> None:
         """Cancel everything now, final checkpoint included (second signal)."""
         self.log.warning("forced exit", reason=reason, exit_code=int(ExitCode.FORCED))
@@ -242,6 +254,7 @@ class Supervisor:
             "actors": {n: r.as_json(stats[n], records.get(n)) for n, r in self._records.items()},
             "mounts": self.mounts.prefixes(),
             "checkpoint": last,
+            "halted": self.halted,
         }
 
     def metrics_text(self) -> bytes:
@@ -282,6 +295,9 @@ class Supervisor:
             return ExitCode.ESCALATED
         if self._checkpoint_failed:
             return ExitCode.CHECKPOINT_FAILED
+        if self.halted is not None:
+            self.log.error("run halted", reason=self.halted, exit_code=int(ExitCode.HALTED))
+            return ExitCode.HALTED
         self.log.info("stopped cleanly", reason=self._shutdown_reason)
         return ExitCode.OK
 

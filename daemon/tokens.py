@@ -261,7 +261,9 @@ def _b64(values: np.ndarray, dtype: str) -> str:
 
 def check_token_arrays(token_ids: Tensor, logprobs: Tensor, support: SupportCSR, versions: Tensor) -> None:
     """The per-token arrays of one model call agree: 1-d, of the allowed dtypes, one
-    entry per generated token, one support per token. Else ValueError naming the array."""
+    entry per generated token, one support per token, and every sampled token's log-prob
+    is finite (a NaN or an infinity is refused where the record enters, never filled).
+    Else ValueError naming the array (and the token)."""
     n = vector_length(token_ids, "token_ids", INT_DTYPES)
     for name, t, dtypes in (("logprobs", logprobs, FLOAT_DTYPES), ("versions", versions, INT_DTYPES)):
         got = vector_length(t, name, dtypes)
@@ -269,6 +271,12 @@ def check_token_arrays(token_ids: Tensor, logprobs: Tensor, support: SupportCSR,
             raise ValueError(f"{name} has {got} entries but token_ids has {n}")
     if support.positions != n:
         raise ValueError(f"support covers {support.positions} positions but token_ids has {n}")
+    lps = logprobs.to_numpy()
+    bad = ~np.isfinite(lps)
+    if bad.any():  # never filled in or passed on: a missing log-prob would bias every ratio it touches
+        t = int(np.argmax(bad))
+        raise ValueError(f"logprobs[{t}] = {float(lps[t])} is not a finite log-probability (token {t} of {n}: "
+                         "the sampler's log q of a sampled token is finite)")
 
 
 def _values(x: Tensor | np.ndarray, dtype: type) -> np.ndarray:

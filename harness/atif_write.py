@@ -156,6 +156,8 @@ def _metrics(seg: TokenSegment, *, support: bool) -> AtifMetrics:
         "sampler": msgspec.structs.asdict(seg.sampler),
         "finish_reason": seg.finish_reason,
     }
+    if seg.sampling is not None:  # what the call was sampled with (its temperature scores its tokens)
+        own["sampling"] = msgspec.structs.asdict(seg.sampling)
     if support:
         own["support"] = seg.support.to_json()
     return AtifMetrics(prompt_tokens=len(prompt), completion_tokens=len(tokens), cost_usd=float(seg.cost_usd),

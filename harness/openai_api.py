@@ -31,6 +31,12 @@ user's guide; in short:
   flight, or over the total limit on calls waiting for the model, gets 429 at once
   with a ``Retry-After`` header (`openai_limits`); it is not recorded, and the calls
   already admitted run and are recorded as usual. ``app.state.limits`` counts them.
+* The sampling policy (``EndpointConfig.sampling``, `sampling_policy`) decides what a
+  call is sampled with: ``honour`` what it asks, ``override`` the run's own settings
+  (the response names what changed in the ``X-Fleetrl-Sampling-Overridden`` header,
+  streamed or not), ``refuse`` a 400 ``sampling_refused`` before anything is generated
+  or recorded. ``app.state.sampling`` (`SamplingCounts`) counts overridden and refused
+  requests per parameter.
 
 Streaming (``stream: true``): each choice's text is sent as the sampler produces its
 tokens (the model client's ``stream``, `model.stream_generation`), in OpenAI's chunk
@@ -79,6 +85,7 @@ from .openai_response import (
     CALL_HEADER,
     DONE,
     IGNORED_HEADER,
+    OVERRIDDEN_HEADER,
     Reply,
     ResponseShape,
     chat_logprobs,
@@ -90,14 +97,18 @@ from .openai_response import (
     usage_chunk,
 )
 from .openai_stream import TextStreamer
+from .sampling_policy import REFUSED_CODE, describe
 
 __all__ = [
     "ATTEMPT_HEADER",
     "CALL_HEADER",
     "IGNORED_HEADER",
+    "OVERRIDDEN_HEADER",
     "ApiError",
     "AttemptRegistry",
     "EndpointConfig",
+    "SamplingCounts",
+    "SamplingStatistics",
     "ToolCallCounts",
     "ToolCallStatistics",
     "create_app",
@@ -138,6 +149,57 @@ class ToolCallCounts:
                                   tool_calls=self.tool_calls, parse_failures=self.parse_failures)
 
 
+class SamplingStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """The sampling policy's work so far. ``overridden_requests``: requests answered
+    at settings other than those they asked for (``override``); ``refused_requests``:
+    requests refused (``refuse``); ``overridden`` and ``refused``: the same per
+    parameter (``temperature``, ``top_p``, ``top_k``; a request that changed two
+    counts for both; parameters never counted are left out). A request with ``n``
+    choices counts once."""
+
+    overridden_requests: int
+    refused_requests: int
+    overridden: dict[str, int]
+    refused: dict[str, int]
+
+
+class SamplingCounts:
+    """The counters behind `SamplingStatistics` (``app.state.sampling``).
+    ``on_count(kind, param)``, when given, is called for each parameter counted
+    (``kind`` ``"overridden"`` or ``"refused"``): the endpoint actor's Prometheus
+    counters."""
+
+    def __init__(self, on_count: Callable[[str, str], None] | None = None) -> None:
+        self.on_count = on_count
+        self.overridden_requests = self.refused_requests = 0
+        self.overridden: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
+
+    def count_overridden(self, params: Sequence[str]) -> None:
+        """Count a request answered with ``params`` overridden."""
+        self.overridden_requests += 1
+        for p in params:
+            self.overridden[p] = self.overridden.get(p, 0) + 1
+            if self.on_count is not None:
+                self.on_count("overridden", p)
+
+    def count_refused(self, param: str) -> None:
+        """Count a request refused for ``param``."""
+        self.refused_requests += 1
+        self.refused[param] = self.refused.get(param, 0) + 1
+        if self.on_count is not None:
+            self.on_count("refused", param)
+
+    def statistics(self) -> SamplingStatistics:
+        return SamplingStatistics(overridden_requests=self.overridden_requests,
+                                  refused_requests=self.refused_requests, overridden=dict(self.overridden),
+                                  refused=dict(self.refused))
+
+
+_LOGGED_OVERRIDES = 64
+"""Distinct overridden combinations logged (once each); past that, only counted."""
+
+
 def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """The sampling of each of ``n`` choices: with a seed, choice ``i`` uses ``seed + i``
     (the same seed would give ``n`` equal answers)."""
@@ -157,17 +219,21 @@ def create_app(
     config: EndpointConfig = EndpointConfig(),
     *,
     clock: Callable[[], float] = time.time,
+    sampling_counts: SamplingCounts | None = None,
 ) -> Starlette:
     """The endpoint app over ``model``, attributing calls through ``registry``.
 
     The registry's tokenizer must be the model's (ids are the model's vocabulary).
     ``app.state.registry`` and ``app.state.config`` hold the two for the caller,
     ``app.state.limits`` the `CallLimits` (its statistics), ``app.state.tool_calls``
-    the `ToolCallCounts`.
+    the `ToolCallCounts`, ``app.state.sampling`` the `SamplingCounts` (``sampling_counts``,
+    else new ones).
     """
     tok = registry.tokenizer
     limits = CallLimits(per_attempt=config.max_concurrent_calls_per_attempt, waiting=config.max_waiting_calls)
     tool_counts = ToolCallCounts()
+    sampling = sampling_counts if sampling_counts is not None else SamplingCounts()
+    logged_overrides: set[str] = set()
 
     async def read_json(request: Request) -> dict:
         declared = request.headers.get("content-length")
@@ -236,6 +302,21 @@ def create_app(
             _log.warning("openai request parameters ignored", attempt_id=recorder.attempt_id,
                          call=recs[0].index if len(recs) == 1 else [r.index for r in recs], ignored=list(ignored))
 
+    def sampling_headers(c: Common) -> dict[str, str]:
+        return {OVERRIDDEN_HEADER: describe(c.overridden)} if c.overridden else {}
+
+    def count_overridden(recorder: AttemptRecorder, c: Common) -> None:
+        """Count a request answered at overridden settings; log each distinct
+        combination once (info: the policy is the operator's choice, not a fault)."""
+        if not c.overridden:
+            return
+        sampling.count_overridden([o.param for o in c.overridden])
+        text = describe(c.overridden)
+        if text not in logged_overrides and len(logged_overrides) < _LOGGED_OVERRIDES:
+            logged_overrides.add(text)
+            _log.info("openai request sampling overridden (logged once per combination)",
+                      attempt_id=recorder.attempt_id, overridden=text)
+
     def reply(prefix: str) -> Reply:
         return Reply(id=f"{prefix}-{secrets.token_hex(12)}", created=int(clock()), model=config.model_name)
 
@@ -252,7 +333,8 @@ def create_app(
         begun is an error event."""
         if not c.stream:
             recs, logprobs = record(await generate(key, recorder.attempt_id, prompt_ids, params, c.n))
-            return JSONResponse(shape.body(recs, logprobs), headers=response_headers(recs))
+            count_overridden(recorder, c)
+            return JSONResponse(shape.body(recs, logprobs), headers={**response_headers(recs), **sampling_headers(c)})
         for _ in range(c.n):
             slots.enter_context(limits.model_slot())
         texts = [streamers() for _ in range(c.n)]
@@ -266,6 +348,7 @@ def create_app(
                 for chunk in shape.opening(i):
                     await emit(sse(chunk))
             recs, logprobs = record(await generate(key, recorder.attempt_id, prompt_ids, params, c.n, on_text))
+            count_overridden(recorder, c)
             for i, (rec, lp) in enumerate(zip(recs, logprobs)):
                 if rest := texts[i].rest(rec.text):
                     await emit(sse(shape.content(i, rest)))
@@ -283,7 +366,8 @@ def create_app(
                 await emit(sse(err.body))
                 await emit(DONE)
 
-        return EventStream(guarded, {}, slots.pop_all())
+        # known before anything is generated: the stream's headers carry it
+        return EventStream(guarded, sampling_headers(c), slots.pop_all())
 
     async def chat_completions(request: Request) -> Response:
         key, recorder = resolve_attempt(registry, request.headers)
@@ -333,6 +417,8 @@ def create_app(
             try:
                 return await handler(request)
             except ApiError as err:
+                if err.code == REFUSED_CODE and err.param is not None:
+                    sampling.count_refused(err.param)
                 # a flood's refusals are counted (app.state.limits), not logged one by one
                 log = _log.warning if err.status >= 500 else _log.debug if err.status == 429 else _log.info
                 log("openai request rejected" if err.status < 500 else "openai request failed",
@@ -362,4 +448,5 @@ def create_app(
     app.state.config = config
     app.state.limits = limits
     app.state.tool_calls = tool_counts
+    app.state.sampling = sampling
     return app

@@ -9,6 +9,10 @@ What fleetrl cannot honour without constraining decoding (``tool_choice``
 change of meaning.
 Parameters we do not know or do not implement are not errors: they are collected in
 ``ignored`` (the endpoint logs them and names them in a response header).
+Once the whole body is checked, the endpoint's sampling policy (``EndpointConfig.sampling``,
+`sampling_policy.apply_policy`) decides what the request is sampled with: ``Common``
+then holds those settings and what they override, or the request is refused (400
+``sampling_refused``) before anything is generated or recorded.
 `sampling_params` fits the generation to the room the prompt leaves in the context.
 """
 
@@ -28,7 +32,7 @@ from .errors import ApiError
 from .openai_fields import bad_param as _bad
 from .openai_fields import type_name as _type_name
 from .openai_messages import chat_messages, request_tool_choice, request_tools
-from .sampling_policy import SamplingPolicy
+from .sampling_policy import Override, SamplingPolicy, SamplingSettings, apply_policy
 
 __all__ = [
     "ChatRequest",
@@ -144,8 +148,12 @@ _CHAT_KNOWN = _SAMPLING | {"messages", "max_completion_tokens", "logprobs", "top
 _COMPLETION_KNOWN = _SAMPLING | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 class Common(msgspec.Struct, frozen=True, kw_only=True):
     """The checked parameters both kinds of request share. ``n``: how many choices
-    (generations of the same prompt). ``ignored``: the request's parameters that are
-    ignored (unknown or not implemented)."""
+    (generations of the same prompt). ``temperature``, ``top_p``, ``top_k``, ``seed``:
+    what the request is sampled with (as it asked, the endpoint's defaults where it
+    sent nothing, until `chat_request` / `completion_request` apply the sampling
+    policy; then the policy's answer). ``defaulted``: the sampling parameters it did
+    not send. ``overridden``: what the policy changed (``override``; empty otherwise).
+    ``ignored``: the request's parameters that are ignored (unknown or not implemented)."""
 
     n: int
     temperature: float
@@ -156,6 +164,8 @@ class Common(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool
     include_usage: bool
     ignored: list[str]
+    defaulted: tuple[str, ...] = ()
+    overridden: tuple[Override, ...] = ()
 
 
 def _common(body: dict, known: set[str], config: EndpointConfig) -> Common:
@@ -180,9 +190,24 @@ def _common(body: dict, known: set[str], config: EndpointConfig) -> Common:
             raise _bad("stream_options", f"must be an object, got {_type_name(opts)}", "invalid_type")
         include_usage = _bool(opts, "include_usage")
     ignored = sorted(k for k in body if k not in known)
+    defaulted = tuple(name for name in ("temperature", "top_p", "top_k") if body.get(name) is None)
     return Common(n=n, temperature=1.0 if temperature is None else temperature,
                    top_p=1.0 if top_p is None else top_p, top_k=top_k, seed=seed, stops=_stops(body),
-                   stream=stream, include_usage=include_usage, ignored=ignored)
+                   stream=stream, include_usage=include_usage, ignored=ignored, defaulted=defaulted)
+
+
+def _apply_sampling_policy(c: Common, config: EndpointConfig) -> Common:
+    """``c`` sampled as the endpoint's policy says (`sampling_policy.apply_policy`): its
+    settings replaced and ``overridden`` filled in, or an `ApiError` 400
+    ``sampling_refused``. Applied once the whole request is checked, so a refusal is
+    never reported for a request that is invalid anyway."""
+    requested = SamplingSettings(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, seed=c.seed)
+    applied = apply_policy(config.sampling, requested, defaulted=c.defaulted)
+    if applied.settings == requested:
+        return c
+    s = applied.settings
+    return msgspec.structs.replace(c, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                                   overridden=applied.overridden)
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -269,6 +294,7 @@ def chat_request(body: dict, config: EndpointConfig) -> ChatRequest:
     tool_choice = request_tool_choice(body, tools)
     if body.get("parallel_tool_calls") is not None and not _bool(body, "parallel_tool_calls"):
         ignored.append("parallel_tool_calls")  # not enforced: every call the model wrote is returned
+    c = _apply_sampling_policy(c, config)
     return ChatRequest(common=c, messages=messages, max_tokens=requested, logprobs=want_logprobs,
                        top_logprobs=top, tools=tools, tool_choice=tool_choice, ignored=ignored)
 
@@ -301,6 +327,7 @@ def completion_request(body: dict, config: EndpointConfig, tok: ChatTokenizer) -
     prompt_ids = _completion_prompt(body, tok)
     if not prompt_ids:
         raise _bad("prompt", "is empty (and the tokenizer has no <bos> to start it)")
+    c = _apply_sampling_policy(c, config)
     return CompletionRequest(common=c, prompt_ids=prompt_ids, max_tokens=requested, logprobs=top)
 
 

@@ -33,6 +33,7 @@ from .recording import CallRecord
 __all__ = [
     "CALL_HEADER",
     "IGNORED_HEADER",
+    "OVERRIDDEN_HEADER",
     "Reply",
     "ResponseShape",
     "chat_body",
@@ -56,6 +57,10 @@ __all__ = [
 
 IGNORED_HEADER = "X-Fleetrl-Ignored-Params"
 """Response header naming the request parameters that were ignored (comma-separated)."""
+OVERRIDDEN_HEADER = "X-Fleetrl-Sampling-Overridden"
+"""Response header naming the sampling parameters the endpoint's ``override`` policy
+changed, with what the call asked and what it got (`sampling_policy.describe`:
+``temperature=0.7->1.0, top_p=0.9->1.0``); absent when nothing was changed."""
 CALL_HEADER = "X-Fleetrl-Call"
 """Response header: the index of the call in its attempt's record (with ``n`` > 1, the
 indices of the choices' calls, comma-separated, in choice order)."""

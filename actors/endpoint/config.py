@@ -12,7 +12,8 @@ class EndpointActorConfig(EndpointConfig, frozen=True, kw_only=True, forbid_unkn
     """Settings of the endpoint actor (``[actors.NAME.config]``; see docs/reference/openai-endpoint.md):
     ``model``, and every setting of the endpoint itself (`EndpointConfig`: ``model_name``,
     ``context_length``, ``default_max_tokens``, ``max_body_bytes``, ``max_n``,
-    ``max_concurrent_calls_per_attempt``, ``max_waiting_calls``), checked at load time."""
+    ``max_concurrent_calls_per_attempt``, ``max_waiting_calls``, ``sampling``: the sampling
+    policy, `fleetrl.harness.sampling_policy.SamplingPolicy`), checked at load time."""
 
     model: LocalModel | PoolModel
     """``{kind = "local", model_dir = ...}`` or ``{kind = "pool", pool = "pool", tokenizer_dir = ...}``."""

@@ -47,7 +47,7 @@ def _too_old(backend: SamplerBackend, identity: m.SamplerIdentity,
              request: m.GenerateRequest) -> m.GenerateFailed | None:
     held = backend.weight_version.version
     if held < request.min_version:
-        return m.GenerateFailed(request_id=request.request_id, retryable=True,
+        return m.GenerateFailed(request_id=request.request_id, retryable=True, cause="weight_version",
                                 reason=f"sampler {identity.sampler_id} holds version {held} < "
                                        f"min_version {request.min_version}")
     return None

@@ -71,7 +71,7 @@ from .pacing import Admission, Pacer
 from .registry import Registry, SamplerRow, sampler_rows
 from .routing import AffinityTable, Bounds, policy_named, prompt_key, with_affinity
 
-__all__ = ["PacedAttempt", "PoolStatistics", "SamplerPool"]
+__all__ = ["RESTART_CAUSES", "PacedAttempt", "PoolStatistics", "SamplerPool", "restart_cause"]
 
 
 class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,9 +101,33 @@ class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Times a stale-group report made the pool re-send the newest version to its followers."""
     mismatch_reports: int = 0
     """Mismatch measurements the trainer sent (`SamplerMismatch`)."""
+    restarted: dict[str, dict[str, int]] = {}
+    """Requests a sampler did not answer and the pool routed again or failed, per sampler
+    id and cause (`RESTART_CAUSES`): ``weight_version`` (the sampler held older weights
+    than the request needed: a weight switch restarted it), ``lost`` (the sampler died
+    or was taken out), ``deadline`` (no answer within ``request_timeout_s``), ``failed``
+    (another retryable failure). A version switch that reaches a running request never
+    restarts it: the request goes on with the new weights and each token records its
+    version."""
+    discarded_tokens: dict[str, dict[str, int]] = {}
+    """Tokens those requests had already streamed to their caller (thrown away: a stream is
+    not resumed elsewhere), per sampler id and cause."""
     samplers: tuple[SamplerRow, ...] = ()
     """Every sampler the pool knows, live or not: backend, device, dtype, version, queue,
     tokens per second, dollars per 1k tokens, mismatch, health (`registry.SamplerRow`)."""
+
+
+RESTART_CAUSES = ("weight_version", "lost", "deadline", "failed")
+"""Why a sampler did not answer a request the pool then routed again or failed."""
+
+
+def restart_cause(result: m.Generation | m.GenerateFailed | None, lost: str | None, cut: bool) -> str:
+    """The `RESTART_CAUSES` entry of a request a sampler did not answer."""
+    if isinstance(result, m.GenerateFailed) and result.cause == "weight_version":
+        return "weight_version"
+    if lost is not None:
+        return "deadline" if lost.startswith("no answer within") else "lost"
+    return "deadline" if cut else "failed"
 
 
 def _trio_now() -> float | None:
@@ -158,6 +182,8 @@ class SamplerPool:
         self.answered = 0
         self.rerouted = 0
         self.failed = 0
+        self.restarted: dict[str, dict[str, int]] = {}
+        self.discarded_tokens: dict[str, dict[str, int]] = {}
         self.stale_reports = 0
         self.stale_by_reason: dict[str, int] = {}
         self.resyncs = 0
@@ -173,6 +199,8 @@ class SamplerPool:
         return PoolStatistics(trainer_version=self.trainer_version, samplers_live=len(live),
                               samplers_remote=sum(1 for r in live if r.remote), answered=self.answered,
                               rerouted=self.rerouted, failed=self.failed,
+                              restarted={k: dict(v) for k, v in self.restarted.items()},
+                              discarded_tokens={k: dict(v) for k, v in self.discarded_tokens.items()},
                               attempts_in_flight=self.pacer.in_flight, attempts_waiting=self.pacer.waiting,
                               stale_reports=self.stale_reports, stale_by_reason=dict(self.stale_by_reason),
                               pacing_allowance=self.pacer.allowance, resyncs=self.resyncs,
@@ -494,14 +522,20 @@ class SamplerPool:
             if ok:
                 self.answered += 1
                 price = record.price_per_hour
-                yield msgspec.structs.replace(result, cost_usd=price / 3600.0 * busy_s)
+                sampling = result.sampling or m.SamplingRecord.of(request.params, result.seed)  # an earlier release's
+                yield msgspec.structs.replace(result, cost_usd=price / 3600.0 * busy_s, sampling=sampling)
                 return
             if isinstance(result, m.GenerateFailed) and not result.retryable:
                 self.failed += 1
                 yield result
                 return
             problems.append(f"{sid}: {lost if lost is not None else result.reason}")
+            cause = restart_cause(result, lost, cut)
+            by_cause = self.restarted.setdefault(sid, {})
+            by_cause[cause] = by_cause.get(cause, 0) + 1
             if sent:
+                tokens = self.discarded_tokens.setdefault(sid, {})
+                tokens[cause] = tokens.get(cause, 0) + sent
                 self.failed += 1
                 yield m.GenerateFailed(request_id=request.request_id, retryable=True,
                                        reason=f"{problems[-1]} (after streaming {sent} tokens; a stream is "

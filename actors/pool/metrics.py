@@ -36,7 +36,7 @@ class PoolMetrics(Collector):
     def describe(self) -> Iterable[Any]:
         return []  # names are checked at scrape time, so a restarted actor can re-register
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["actor", "sampler", "backend", "device", "dtype", "remote"]
         fams = {
             "up": GaugeMetricFamily("fleetrl_sampler_up", "1 while the sampler is live", labels=labels),
@@ -74,6 +74,19 @@ class PoolMetrics(Collector):
             kl.add_metric([self.actor, backend, device, dtype], value)
         yield from fams.values()
         yield kl
+        restarted = CounterMetricFamily("fleetrl_sampler_requests_restarted",
+                                        "requests a sampler did not answer, routed again or failed, by cause "
+                                        "(weight_version: it held older weights than the request needed)",
+                                        labels=["actor", "sampler", "cause"])
+        discarded = CounterMetricFamily("fleetrl_sampler_tokens_discarded",
+                                        "tokens those requests had streamed before they were given up, by cause",
+                                        labels=["actor", "sampler", "cause"])
+        for into, table in ((restarted, self.pool.restarted), (discarded, self.pool.discarded_tokens)):
+            for sid, by_cause in sorted(table.items()):
+                for cause, n in sorted(by_cause.items()):
+                    into.add_metric([self.actor, sid, cause], float(n))
+        yield restarted
+        yield discarded
 
 
 class PauseStats(msgspec.Struct, frozen=True, kw_only=True):

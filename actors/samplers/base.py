@@ -54,7 +54,7 @@ import torch
 
 from fleetrl.actors.samplers.errors import BadGenerateRequest, BadWeightUpdate
 from fleetrl.actors.weights.quant import FP8_DTYPE, SCHEMES, scale_shape
-from fleetrl.daemon.messages import FinishReason, Generation, SamplerIdentity, SamplingParams
+from fleetrl.daemon.messages import FinishReason, Generation, SamplerIdentity, SamplingParams, SamplingRecord
 from fleetrl.daemon.protocol import Tensor, wire_dtype
 from fleetrl.daemon.tokens import SupportCSR, SupportRule, check_sampled_tokens
 
@@ -168,11 +168,13 @@ class TokenLog:
         if tail is not None:
             self._tails.append(float(tail))
 
-    def generation(self, identity: SamplerIdentity, seed: int, *, logprob_dtype: type = np.float32) -> Generation:
+    def generation(self, identity: SamplerIdentity, seed: int, *, params: SamplingParams | None = None,
+                   logprob_dtype: type = np.float32) -> Generation:
         """The wire `Generation` (``request_id`` empty), checked at `SAMPLER_TOL`; raises
         ValueError naming the first token that does not fit its support. Log-probs travel
         as ``logprob_dtype``: float32, or float64 for a backend that computes them in
-        float64 (vLLM renormalises its supports so)."""
+        float64 (vLLM renormalises its supports so). ``params``: what the tokens were drawn
+        with (after the backend's cap), recorded as the generation's ``sampling``."""
         token_ids = Tensor.from_numpy(np.asarray(self.tokens, dtype=np.int32))
         logprobs = Tensor.from_numpy(np.asarray(self.logprobs, dtype=logprob_dtype))
         offsets = np.zeros(len(self._sizes) + 1, dtype=np.int64)
@@ -184,8 +186,10 @@ class TokenLog:
                              offsets=Tensor.from_numpy(offsets), rule=self.rule, tail_mass=tail)
         versions = Tensor.from_numpy(np.asarray(self.versions, dtype=np.int64))
         check_sampled_tokens(token_ids, logprobs, support, versions=versions, tol=SAMPLER_TOL)
+        sampling = None if params is None else SamplingRecord.of(params, seed)
         return Generation(request_id="", token_ids=token_ids, logprobs=logprobs, support=support,
-                          versions=versions, sampler=identity, finish_reason=self.finish or "length", seed=seed)
+                          versions=versions, sampler=identity, finish_reason=self.finish or "length", seed=seed,
+                          sampling=sampling)
 
 
 def bounded_params(params: SamplingParams, max_support: int) -> SamplingParams:

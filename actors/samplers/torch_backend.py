@@ -477,4 +477,4 @@ class DecodeRun:
         return [self._generation(i) for i in range(self._n)]
 
     def _generation(self, i: int) -> Generation:
-        return self._logs[i].generation(self._backend.identity, self.seed)
+        return self._logs[i].generation(self._backend.identity, self.seed, params=self._params)

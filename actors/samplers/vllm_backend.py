@@ -347,7 +347,7 @@ class VllmBackend(BackendBase):
             raise
         finally:
             self._busy = False
-        return [c.generation(i, self._identity, seed) for i, c in enumerate(collected)]
+        return [c.generation(i, self._identity, seed, params) for i, c in enumerate(collected)]
 
     # -- weights ----------------------------------------------------------------------
 

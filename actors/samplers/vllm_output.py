@@ -19,7 +19,7 @@ import numpy as np
 
 from fleetrl.actors.samplers.base import TokenLog
 from fleetrl.actors.samplers.errors import SamplerError, VllmSupportError
-from fleetrl.daemon.messages import Generation, SamplerIdentity
+from fleetrl.daemon.messages import Generation, SamplerIdentity, SamplingParams
 
 __all__ = ["Collected", "request_seeds", "support_from_logprobs", "vocabulary_from_logprobs"]
 
@@ -66,11 +66,13 @@ class Collected:
         if out.finished:
             self.log.finish = "stop" if completion.finish_reason == "stop" else "length"
 
-    def generation(self, i: int, identity: SamplerIdentity, seed: int) -> Generation:
-        """Prompt ``i``'s wire `Generation` (raises SamplerError if vLLM never finished it)."""
+    def generation(self, i: int, identity: SamplerIdentity, seed: int, params: SamplingParams | None = None
+                   ) -> Generation:
+        """Prompt ``i``'s wire `Generation` (raises SamplerError if vLLM never finished it);
+        ``params``: what it was drawn with (its ``sampling`` record)."""
         if self.log.finish is None:
             raise SamplerError(f"prompt {i}: vLLM ended without finishing the request")
-        return self.log.generation(identity, seed, logprob_dtype=np.float64)  # renormalised in float64
+        return self.log.generation(identity, seed, params=params, logprob_dtype=np.float64)  # renormalised in float64
 
 
 def _entries(entry: Mapping[int, Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -20,6 +20,14 @@ counts it). With ``max_steps`` or
 ``time_budget_s`` (wall-clock, checkpointed across restarts) and ``shutdown_when_done``
 it asks the daemon to shut down once the first budget is spent.
 
+Alarms: a step whose corrections mask more than the configured share of its tokens or
+sequences, or whose batch left out more than the configured share of its model calls
+(greedy calls), raises an alarm (`alarms.step_alarms`): a ``correction alarm`` warning in
+the log (so in the terminal and the dashboard's events), the counter
+``trainer_alarms_total{alarm}``, the step's ``alarms`` in metrics.jsonl, and the counts
+and latest alarm in /status. A step that masks every token halts the run
+(``ctx.halt``: exit code 7) with the reason and the fix, since no later step would train.
+
 Exactly-once: a group is marked trained in the same locked section as the step that
 trains it, and the checkpoint holds the queued groups and the trained ids, so after a
 crash a group is either still queued (and trained later) or recorded as trained (and a
@@ -46,6 +54,7 @@ from fleetrl.daemon.messages import (MismatchFigures, RolloutFailed, RolloutGrou
                                      WeightVersionAvailable)
 from fleetrl.grpo import CorrectionConfig
 
+from .alarms import Alarm
 from .batch import BadBatch, check_group
 from .config import TrainerConfig
 from .core import Trainer
@@ -73,6 +82,12 @@ class TrainerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """A budget is spent: no more steps."""
     ranks: RanksStatus | None = None
     """The rank processes (``ranks`` configured): pids, restarts, last failure; None in-process."""
+    alarms: dict[str, int] = {}
+    """Alarms raised so far by this incarnation, by kind (`alarms.ALARM_KINDS`)."""
+    last_alarm: str | None = None
+    """The latest alarm: its step, kind and message."""
+    halted: str | None = None
+    """Why training stopped for good (a step masked every token), or None."""
 
 
 class TrainerHandle:
@@ -81,6 +96,8 @@ class TrainerHandle:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.groups: dict[str, int] = {}
+        self.alarms: dict[str, int] = {}
+        self.last_alarm: str | None = None
 
     def count(self, outcome: str) -> None:
         self.groups[outcome] = self.groups.get(outcome, 0) + 1
@@ -89,7 +106,8 @@ class TrainerHandle:
         t = self.trainer
         ranks = t.engine.status() if isinstance(t.engine, RankEngine) else None
         return TrainerStatistics(version=t.version, step=t.step, queued=len(t.buffer), groups=dict(self.groups),
-                                 elapsed_s=round(t.elapsed_s, 3), done=t.done, ranks=ranks)
+                                 elapsed_s=round(t.elapsed_s, 3), done=t.done, ranks=ranks, alarms=dict(self.alarms),
+                                 last_alarm=self.last_alarm, halted=t.halted)
 
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
 
@@ -137,6 +155,8 @@ class _Metrics:
             ("reward_mean", "Mean reward of the last batch"),
             ("pass_rate", "Fraction of passed attempts in the last batch"),
             ("frac_masked_tokens", "Fraction of tokens masked by the corrections, last step"),
+            ("frac_masked_sequences", "Fraction of sequences masked by the corrections, last step"),
+            ("frac_excluded_rows", "Fraction of model calls left out of the last step (greedy calls)"),
             ("mismatch_kl_k3", "k3 KL(sampler || trainer) per token, last step"),
             ("frac_out_of_band", "Fraction of tokens whose ratio p/q is outside the correction band, last step"),
             ("log_ratio_std", "Standard deviation of log p - log q over the tokens, last step"),
@@ -152,6 +172,12 @@ class _Metrics:
         )}
         self.rank_restarts = mx.gauge("trainer_rank_restarts", "Restarts of the trainer's rank group")
         self.cost = mx.counter("trainer_cost_usd_total", "Sampling dollars of the trained batches")
+
+    def alarm(self, a: Alarm) -> None:
+        self.handle.alarms[a.kind] = self.handle.alarms.get(a.kind, 0) + 1
+        self.handle.last_alarm = f"step {a.step}: {a.kind}: {a.message}"
+        self.mx.counter("trainer_alarms_total", "Correction alarms raised by train steps, by kind",
+                        {"alarm": a.kind}).inc()
 
     def mismatch_reports(self, result: str) -> None:
         self.mx.counter("trainer_mismatch_reports_total", "SamplerMismatch reports to the pool, by result",
@@ -284,6 +310,7 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
 
     def report(rej: StaleGroup) -> None:
         metrics.group(rej.reason)
+        trainer.note_no_gradient("stale")
         ctx.log.info("group rejected as stale", group_id=rej.group_id, task_id=rej.task_id,
                      staleness=rej.staleness, max_staleness=rej.max_staleness, reason=rej.reason)
         if rejects is not None:
@@ -302,6 +329,7 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
             outcome = trainer.buffer.offer(group, trainer.version)
         except (BadBatch, BadGroup) as exc:
             metrics.group("malformed")
+            trainer.note_no_gradient("malformed")
             ctx.log.warning("malformed rollout group refused", group_id=group.group_id, error=str(exc))
             return
         if isinstance(outcome, Admitted):
@@ -311,8 +339,10 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
             report(outcome)
         elif isinstance(outcome, ZeroVariance):
             metrics.group("zero_variance")
+            trainer.note_no_gradient("zero_variance")
         elif isinstance(outcome, Duplicate):
             metrics.group("duplicate")
+            trainer.note_no_gradient("duplicate")
             ctx.log.info("duplicate rollout group refused", group_id=group.group_id,
                          already_trained=outcome.trained)
         metrics.queued.set(len(trainer.buffer))
@@ -338,6 +368,15 @@ async def run(cfg: TrainerConfig, ctx: ActorContext, *,
                 report(rej)
             if m is None:
                 break
+            for a in trainer.last_alarms:
+                metrics.alarm(a)
+                if a.fatal:
+                    progress.close()
+                    ctx.log.error("training halted", alarm=a.kind, step=a.step, reason=a.message, fix=a.fix)
+                    ctx.halt(f"training halted at step {a.step}: {a.message}. Fix: {a.fix}")
+                else:
+                    ctx.log.warning("correction alarm", alarm=a.kind, step=a.step, value=round(a.value, 4),
+                                    threshold=a.threshold, reason=a.message, fix=a.fix)
             metrics.observe(m)
             report_mismatch(m)
             metrics.version.set(trainer.version)

@@ -24,6 +24,16 @@ version, retokenization breaks: `BatchSummary`) travels with the part that holds
 parent's row 0 and is empty in the others, so summing the parts' summaries over
 micro-batches and data-parallel ranks counts each group and trajectory once.
 
+Each row is scored at the temperature its call was sampled with (``row_temperature``,
+from the segment's `SamplingRecord`; NaN where the record has none, a segment of an
+earlier release, which the train step scores at the trainer's configured temperature and
+`BatchSummary` counts as ``unrecorded_rows``). A row that cannot carry a gradient is never
+in the batch: a greedy call (temperature 0: its support is the argmax alone) and a call
+capped at one candidate (``top_k = 1``) give ``log p^S = 0`` at every token whatever the
+weights, so they are left out and counted by reason (``excluded_rows``: ``"greedy"``,
+``"top_k_1"``, with their tokens in ``excluded_tokens``); their trajectories' rewards
+still count in the group's advantages.
+
 Every segment of a trajectory gets that trajectory's advantage, computed per group
 from the group's rewards by `fleetrl.grpo.group_advantages`. Each row records which
 sampler produced it, both its kind (``row_sampler`` into ``sampler_keys``,
@@ -34,6 +44,7 @@ the step can report the measured mismatch per kind and per sampler.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 
@@ -41,14 +52,14 @@ import numpy as np
 import torch
 
 from fleetrl.daemon.messages import RolloutGroup, SamplerIdentity
-from fleetrl.daemon.tokens import check_sampled_tokens
 from fleetrl.grpo import group_advantages
 
 from .config import AdvantageConfig
 from .errors import BadBatch
+from .group_checks import NO_GRADIENT_REASONS, check_group, no_gradient_reason
 
-__all__ = ["BadBatch", "Batch", "BatchSummary", "build_batch", "check_group", "micro_batch_cost", "sampler_key",
-           "select_rows", "split_rows"]
+__all__ = ["NO_GRADIENT_REASONS", "BadBatch", "Batch", "BatchSummary", "build_batch", "check_group",
+           "micro_batch_cost", "no_gradient_reason", "sampler_key", "select_rows", "split_rows"]
 
 
 BREAKS_PREFIX = "retokenization_breaks/"
@@ -70,6 +81,12 @@ class BatchSummary:
     rewards: torch.Tensor  # [n_trajectories] float32
     group_oldest: torch.Tensor  # [n_groups] long: oldest token version of each group, -1 if none
     retokenization_breaks: dict[str, int] = field(default_factory=dict)
+    excluded_rows: dict[str, int] = field(default_factory=dict)
+    """Model calls left out of the batch because they cannot carry a gradient, by reason."""
+    excluded_tokens: int = 0
+    """Their generated tokens."""
+    unrecorded_rows: int = 0
+    """Rows whose record carries no sampling settings (scored at the configured temperature)."""
 
     @property
     def n_groups(self) -> int:
@@ -99,6 +116,7 @@ class Batch:
     versions: torch.Tensor  # [B, T] long, -1 padding
     support_vocab: torch.Tensor  # [B] bool: the row drew from the whole vocabulary (its listing: q's most likely)
     support_tail: torch.Tensor  # [B, T] float32: q's mass outside the listing (0 on listed rows and padding)
+    row_temperature: torch.Tensor  # [B] float32: the temperature the row was sampled at (NaN: not recorded)
     advantages: torch.Tensor  # [B] float32
     row_sampler: torch.Tensor  # [B] long index into sampler_keys
     row_trajectory: torch.Tensor  # [B] long index into rewards
@@ -115,6 +133,12 @@ class Batch:
     retokenization_breaks: dict[str, int] = field(default_factory=dict)
     """Breaks of the batch's trajectories by cause (the harness's token stream was not
     extended; each segment is a row of its own, trained with its own context)."""
+    excluded_rows: dict[str, int] = field(default_factory=dict)
+    """Model calls of the groups left out because they cannot carry a gradient, by reason
+    (module docstring)."""
+    excluded_tokens: int = 0
+    unrecorded_rows: int = 0
+    """Rows whose segment carries no `SamplingRecord` (NaN in ``row_temperature``)."""
     row_origin: tuple[tuple[int, int, int], ...] = ()
     """Per row, where it came from in the groups given to `build_batch`: (group index,
     trajectory index in the group, segment index in the trajectory)."""
@@ -136,7 +160,9 @@ class Batch:
             if vg.numel():
                 oldest[g] = int(vg.min())
         return BatchSummary(rewards=self.rewards.detach().cpu().float(), group_oldest=oldest,
-                            retokenization_breaks=dict(self.retokenization_breaks))
+                            retokenization_breaks=dict(self.retokenization_breaks),
+                            excluded_rows=dict(self.excluded_rows), excluded_tokens=self.excluded_tokens,
+                            unrecorded_rows=self.unrecorded_rows)
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with every tensor on ``device``."""
@@ -158,39 +184,6 @@ class Batch:
         return self.row_identity[:, None].expand_as(self.tokens)
 
 
-def check_group(group: RolloutGroup, vocab_size: int, *, tol: float = 5e-3) -> None:
-    """Raise `BadBatch` naming group, attempt, segment and token if ``group`` cannot be
-    trained on: no trajectories, a non-finite reward, an empty prompt before generated
-    tokens, a token id outside the vocabulary, a sampled token missing from its reported
-    support, or support log-probs that are not a normalised log q^S agreeing with the
-    token's reported log-prob. Checked at admission, so a bad group is refused (and
-    reported) instead of crashing the train step that would contain it."""
-    if not group.trajectories:
-        raise BadBatch(f"group {group.group_id!r} of task {group.task_id!r} has no trajectories")
-    for traj in group.trajectories:
-        if not np.isfinite(traj.reward):
-            raise BadBatch(f"group {group.group_id!r}, attempt {traj.attempt_id!r}: reward {traj.reward} "
-                           "is not finite")
-        for si, seg in enumerate(traj.segments):
-            where = f"group {group.group_id!r}, attempt {traj.attempt_id!r}, segment {si}"
-            tokens = seg.token_ids.to_numpy().astype(np.int64)
-            prompt = seg.prompt_ids.to_numpy().astype(np.int64)
-            if tokens.size == 0:
-                continue
-            if prompt.size == 0:
-                raise BadBatch(f"{where}: empty prompt (no position predicts the first token)")
-            for name, ids in (("prompt_ids", prompt), ("token_ids", tokens),
-                              ("support.ids", seg.support.ids.to_numpy())):
-                bad = (ids < 0) | (ids >= vocab_size)
-                if bad.any():
-                    i = int(np.argmax(bad))
-                    raise BadBatch(f"{where}: {name}[{i}] = {int(ids[i])} is not a token id in [0, {vocab_size})")
-            try:
-                check_sampled_tokens(tokens, seg.logprobs, seg.support, tol=tol, normalised=True)
-            except ValueError as exc:
-                raise BadBatch(f"{where}: {exc}") from exc
-
-
 def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = AdvantageConfig()) -> Batch:
     """Convert ``groups`` into a `Batch`; raises `BadBatch` naming the offending segment."""
     rows: list[tuple[np.ndarray, ...]] = []
@@ -200,6 +193,9 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
     row_group: list[int] = []
     row_identity: list[int] = []
     row_vocab: list[bool] = []
+    row_temp: list[float] = []
+    excluded: dict[str, int] = {}
+    excluded_tokens = 0
     keys: dict[str, int] = {}
     identities: dict[str, int] = {}  # sampler id -> index into ident_list
     ident_list: list[SamplerIdentity] = []
@@ -233,6 +229,11 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
                 if prompt.size == 0:
                     raise BadBatch(f"{where}: empty prompt (no position predicts the first token)")
                 off = seg.support.offsets.to_numpy()
+                why = no_gradient_reason(seg)
+                if why is not None:
+                    excluded[why] = excluded.get(why, 0) + 1
+                    excluded_tokens += int(tokens.size)
+                    continue
                 sids = seg.support.ids.to_numpy().astype(np.int64)
                 slps = seg.support.logprobs.to_numpy().astype(np.float32)
                 key = sampler_key(seg.sampler.backend, seg.sampler.dtype)
@@ -245,6 +246,7 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
                 rows.append((prompt, tokens, seg.logprobs.to_numpy().astype(np.float32),
                              off, sids, slps, seg.versions.to_numpy().astype(np.int64), tail))
                 row_vocab.append(seg.support.whole_vocabulary)
+                row_temp.append(math.nan if seg.sampling is None else float(seg.sampling.temperature))
                 row_adv.append(float(a))
                 row_sampler.append(keys[key])
                 row_traj.append(ti)
@@ -301,6 +303,7 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         versions=torch.from_numpy(vers),
         support_vocab=torch.tensor(row_vocab, dtype=torch.bool),
         support_tail=torch.from_numpy(tails),
+        row_temperature=torch.tensor(row_temp, dtype=torch.float32),
         advantages=torch.tensor(row_adv, dtype=torch.float32),
         row_sampler=torch.tensor(row_sampler, dtype=torch.long),
         row_trajectory=torch.tensor(row_traj, dtype=torch.long),
@@ -314,6 +317,9 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
         rewards=torch.tensor(rewards, dtype=torch.float32),
         n_groups=len(groups),
         retokenization_breaks=breaks,
+        excluded_rows=excluded,
+        excluded_tokens=excluded_tokens,
+        unrecorded_rows=sum(1 for t in row_temp if math.isnan(t)),
         row_origin=tuple(origin),
     )
 
@@ -375,6 +381,7 @@ def select_rows(batch: Batch, rows: Sequence[int] | torch.Tensor) -> Batch:
         versions=batch.versions[idx, :T].contiguous(),
         support_vocab=batch.support_vocab[idx].contiguous(),
         support_tail=batch.support_tail[idx, :T].contiguous(),
+        row_temperature=batch.row_temperature[idx].contiguous(),
         advantages=batch.advantages[idx].contiguous(),
         row_sampler=batch.row_sampler[idx].contiguous(),
         row_trajectory=row_traj.to(batch.row_trajectory.device),
@@ -388,6 +395,9 @@ def select_rows(batch: Batch, rows: Sequence[int] | torch.Tensor) -> Batch:
         rewards=batch.rewards[trajs].contiguous() if trajs else batch.rewards[:0].clone(),
         n_groups=len(groups),
         retokenization_breaks=dict(whole.retokenization_breaks),
+        excluded_rows=dict(whole.excluded_rows),
+        excluded_tokens=whole.excluded_tokens,
+        unrecorded_rows=whole.unrecorded_rows,
         row_origin=tuple(batch.row_origin[i] for i in idx.tolist()) if batch.row_origin else (),
         whole=whole,
     )

@@ -62,9 +62,14 @@ class CorrectionAlarms(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     excluded_rows: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.25
     """Alarm when more than this fraction of a step's rows (model calls) are excluded from
     the loss by how they were sampled (greedy calls; 1.0: never)."""
+    tail_mass: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.05
+    """Alarm when the tokens a step drew from the whole vocabulary left, on average, more
+    than this much of the sampler's mass outside their listing: centering is then
+    approximate by up to ``2 * mask_high * tail`` per token (docs/reference/corrections.md,
+    "Supports at real vocabularies"; 1.0: never)."""
 
     def __post_init__(self) -> None:
-        for name in ("masked_tokens", "masked_sequences", "excluded_rows"):
+        for name in ("masked_tokens", "masked_sequences", "excluded_rows", "tail_mass"):
             _num("CorrectionAlarms", name, getattr(self, name), low=0.0, high=1.0)
 
 

@@ -23,6 +23,7 @@ from fleetrl.daemon.checkpoint import CheckpointStore
 from fleetrl.daemon.messages import RolloutFailed, RolloutGroup
 
 from . import checkpoint as ck
+from .alarms import Alarm, step_alarms
 from .batch import Batch, build_batch
 from .config import TrainerConfig
 from .engine import Engine, LocalEngine
@@ -44,15 +45,17 @@ def batch_cost_usd(groups: Sequence[RolloutGroup]) -> float:
 def batch_record(batch: Batch, step: int) -> dict[str, Any]:
     """A trained batch as JSON-able rows: each row's prompt ids (its context, never in
     the loss), the tokens in the loss (``loss_mask`` true) with their sampling versions,
-    and its advantage."""
+    its advantage and the temperature it was scored at (None: not recorded, the
+    trainer's own); and the model calls left out of it, by reason."""
     rows = []
     for b in range(batch.tokens.shape[0]):
         prompt = batch.prompt_ids[batch.prefix_index[b]][: batch.prompt_lengths[batch.prefix_index[b]]]
         mask = batch.loss_mask[b]
+        temp = float(batch.row_temperature[b])
         rows.append({"prompt_ids": prompt.tolist(), "loss_tokens": batch.tokens[b][mask].tolist(),
                      "versions": batch.versions[b][mask].tolist(), "advantage": float(batch.advantages[b]),
-                     "trajectory": int(batch.row_trajectory[b])})
-    return {"step": step, "rows": rows, "rewards": batch.rewards.tolist()}
+                     "trajectory": int(batch.row_trajectory[b]), "temperature": None if temp != temp else temp})
+    return {"step": step, "rows": rows, "rewards": batch.rewards.tolist(), "excluded_rows": batch.excluded_rows}
 
 
 class Trainer:
@@ -90,8 +93,13 @@ class Trainer:
         self._applied = False
         self._elapsed_before = 0.0  # seconds run by earlier incarnations (from the checkpoint)
         self._received = [0, 0]  # groups and generated tokens received since the last metrics line
+        self._no_gradient: dict[str, int] = {}  # groups refused since then, by why
         self.daemon_checkpoint_due = False
         """Set by `train`: a daemon checkpoint is due after that step (``daemon_checkpoint_every``)."""
+        self.last_alarms: list[Alarm] = []
+        """The alarms of the last step (`alarms.step_alarms`; the actor reports them)."""
+        self.halted: str | None = None
+        """Set when a step raised a fatal alarm (every token masked): no more steps."""
         self._started = self.clock()
 
     # -- start ------------------------------------------------------------------------
@@ -141,7 +149,7 @@ class Trainer:
 
     # -- training ---------------------------------------------------------------------
     def ready(self) -> bool:
-        return len(self.buffer) >= self.cfg.groups_per_step and not self.done
+        return len(self.buffer) >= self.cfg.groups_per_step and not self.done and self.halted is None
 
     @property
     def elapsed_s(self) -> float:
@@ -200,6 +208,11 @@ class Trainer:
         self._received[0] += 1
         self._received[1] += sum(t.n_generated for t in group.trajectories)
 
+    def note_no_gradient(self, why: str) -> None:
+        """Count a received group that will carry no gradient (zero variance, stale,
+        duplicate, malformed), for the next metrics line."""
+        self._no_gradient[why] = self._no_gradient.get(why, 0) + 1
+
     def train(self, groups: Sequence[RolloutGroup]) -> StepMetrics:
         """One step on ``groups`` (already taken from the buffer); publish; log; checkpoint."""
         lr = self.lr_now()
@@ -208,7 +221,14 @@ class Trainer:
         cost = batch_cost_usd(groups)
         m = msgspec.structs.replace(m, lr=lr, cost_usd=cost, elapsed_s=self.elapsed_s,
                                     usd_per_rollout=cost / m.trajectories if m.trajectories else 0.0,
-                                    groups_received=self._received[0], tokens_received=self._received[1])
+                                    groups_received=self._received[0], tokens_received=self._received[1],
+                                    groups_without_gradient=dict(self._no_gradient))
+        self.last_alarms = step_alarms(m, self.cfg.alarms)
+        if self.last_alarms:
+            m = msgspec.structs.replace(m, alarms=tuple(a.kind for a in self.last_alarms))
+        for a in self.last_alarms:
+            if a.fatal and self.halted is None:
+                self.halted = f"step {a.step}: {a.message}. Fix: {a.fix}"
         if m.skipped:
             m = msgspec.structs.replace(m, version=self.version)
         else:
@@ -223,6 +243,7 @@ class Trainer:
             except OSError as exc:  # the log is for people: never fail a step over it
                 self.rollout_log_failure = f"{type(exc).__name__}: {exc}"
         self._received = [0, 0]
+        self._no_gradient = {}
         if not m.skipped and self.step <= self.cfg.record_batches:
             out = self.state_dir / "batches" / f"step-{self.step}.json"
             out.parent.mkdir(exist_ok=True)

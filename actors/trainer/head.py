@@ -15,7 +15,8 @@ memory per micro-batch is then a chunk's logits (``logits_chunk_bytes``) instead
 gather at the generated positions, and the dense gradient of each).
 
 Numerics are those of the plain path: the head's matmul in the weight's dtype (bf16 with
-FSDP's mixed precision), upcast to fp32, divided by the temperature; the gradient is
+FSDP's mixed precision), upcast to fp32, divided by the temperature (each position's
+own: a row is scored at the temperature its call was sampled with); the gradient is
 formed in fp32 and cast to the weight's dtype for the matmuls, as autograd does through
 ``.float()``. Rows of a matmul computed in chunks may round differently from one big
 matmul (a BLAS chooses its blocking by shape), so logits agree with the plain path to
@@ -87,21 +88,22 @@ def chunk_positions(vocab_size: int, chunk_bytes: int) -> int:
 class SupportHead(torch.autograd.Function):
     """``hidden [N, H]`` -> the gathered logits of N positions, chunk by chunk (module
     docstring). Inputs: hidden [N, H]; weight [V, H]; bias [V] or None; ids [N, K] (any
-    id for padding: the caller masks it); tokens [N]; the temperature; positions per
-    chunk; whether to compute the logsumexp over V. Outputs (fp32, or fp64 for an fp64
+    id for padding: the caller masks it); tokens [N]; the temperature (a number, or one
+    per position [N]); positions per chunk; whether to compute the logsumexp over V. Outputs (fp32, or fp64 for an fp64
     weight): the logits at ``ids`` [N, K], at ``tokens`` [N], and their logsumexp over V
     [N] (zeros when not asked)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
-                tokens: torch.Tensor, temperature: float, chunk: int, want_lse: bool
+                tokens: torch.Tensor, temperature: float | torch.Tensor, chunk: int, want_lse: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         N, dtype = hidden.shape[0], _out_dtype(weight)
         zS = hidden.new_empty((N, ids.shape[1]), dtype=dtype)
         za = hidden.new_empty((N,), dtype=dtype)
         lse = hidden.new_zeros((N,), dtype=dtype)
+        temperature = _per_position(temperature, N, dtype, hidden.device)
         for s in range(0, N, chunk):
-            z = _logits(hidden[s:s + chunk], weight, bias, temperature)
+            z = _logits(hidden[s:s + chunk], weight, bias, temperature[s:s + chunk])
             zS[s:s + chunk] = z.gather(1, ids[s:s + chunk])
             za[s:s + chunk] = z.gather(1, tokens[s:s + chunk, None]).squeeze(1)
             if want_lse:
@@ -125,10 +127,10 @@ class SupportHead(torch.autograd.Function):
             g.scatter_add_(1, ids[s:s + chunk], g_zS[s:s + chunk].to(dtype))
             g.scatter_add_(1, tokens[s:s + chunk, None], g_za[s:s + chunk, None].to(dtype))
             if ctx.want_lse:
-                z = _logits(h, weight, bias, T)
+                z = _logits(h, weight, bias, T[s:s + chunk])
                 g.add_(torch.softmax(z, dim=-1).mul_(g_lse[s:s + chunk, None].to(dtype)))
                 del z
-            g.div_(T)
+            g.div_(T[s:s + chunk, None])
             g_low = g.to(weight.dtype)
             if d_hidden is not None:
                 d_hidden[s:s + chunk] = g_low @ weight
@@ -147,17 +149,32 @@ def _out_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """One chunk's logits, as the model's head computes them, upcast and tempered."""
-    return torch.nn.functional.linear(h.to(weight.dtype), weight, bias).to(_out_dtype(weight)) / temperature
+def _per_position(temperature: float | torch.Tensor, n: int, dtype: torch.dtype, device: torch.device
+                  ) -> torch.Tensor:
+    """The temperature of each of ``n`` positions ([n], ``dtype``), each finite and > 0."""
+    t = torch.as_tensor(temperature, dtype=dtype, device=device)
+    t = t.expand(n) if t.dim() == 0 else t.reshape(-1)
+    if t.numel() != n:
+        raise ValueError(f"SupportHead: {t.numel()} temperatures for {n} positions")
+    if n and not bool(((t > 0) & torch.isfinite(t)).all()):
+        raise ValueError(f"SupportHead: every temperature must be finite and > 0, got {t.unique().tolist()[:5]}")
+    return t.contiguous()
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: torch.Tensor
+            ) -> torch.Tensor:
+    """One chunk's logits, as the model's head computes them, upcast and tempered (one
+    temperature per row of ``h``)."""
+    return torch.nn.functional.linear(h.to(weight.dtype), weight, bias).to(_out_dtype(weight)) / temperature[:, None]
 
 
 def support_logits(model: nn.Module, hidden_BTH: torch.Tensor, tokens_BT: torch.Tensor, support_ids_BTK: torch.Tensor,
-                   loss_mask_BT: torch.Tensor, *, temperature: float, want_vocab_lse: bool,
+                   loss_mask_BT: torch.Tensor, *, temperature: float | torch.Tensor, want_vocab_lse: bool,
                    chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES) -> SupportLogits:
     """The `SupportLogits` of a batch from its hidden states at the generated positions:
     computed at loss-mask positions only (the others hold zeros, which the loss ignores),
-    ``vocab_lse`` only when ``want_vocab_lse`` (a whole-vocabulary row in the batch)."""
+    ``vocab_lse`` only when ``want_vocab_lse`` (a whole-vocabulary row in the batch).
+    ``temperature``: one for every row, or each row's own ([B])."""
     head = lm_head(model)
     B, T, K = support_ids_BTK.shape
     where = loss_mask_BT.nonzero(as_tuple=True)
@@ -165,8 +182,11 @@ def support_logits(model: nn.Module, hidden_BTH: torch.Tensor, tokens_BT: torch.
     ids = support_ids_BTK[where].long().clamp(min=0)
     tok = tokens_BT[where].long()
     chunk = chunk_positions(head.weight.shape[0], chunk_bytes)
-    zS, za, lse = SupportHead.apply(h, head.weight, head.bias, ids, tok, float(temperature), chunk,
-                                    bool(want_vocab_lse))
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        temps = temperature.to(hidden_BTH.device)[:, None].expand(B, T)[where]
+    else:
+        temps = float(temperature)
+    zS, za, lse = SupportHead.apply(h, head.weight, head.bias, ids, tok, temps, chunk, bool(want_vocab_lse))
     dev, dt = hidden_BTH.device, zS.dtype
     support = torch.zeros((B, T, K), dtype=dt, device=dev).index_put(where, zS)
     sampled = torch.zeros((B, T), dtype=dt, device=dev).index_put(where, za)

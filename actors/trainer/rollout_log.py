@@ -25,7 +25,7 @@ from pathlib import Path
 
 import msgspec
 
-from fleetrl.daemon.messages import RolloutFailed, RolloutGroup, SamplerIdentity
+from fleetrl.daemon.messages import RolloutFailed, RolloutGroup, SamplerIdentity, SamplingRecord
 from fleetrl.grpo import group_advantages
 
 from .step import RowDetail
@@ -52,6 +52,8 @@ class CallEntry(msgspec.Struct, frozen=True, kw_only=True):
     sampler: SamplerIdentity
     finish_reason: str
     cost_usd: float
+    sampling: SamplingRecord | None = None
+    """What the call was sampled with (temperature, top_p, top_k, seed); None: not recorded."""
 
 
 class AttemptEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,7 +126,8 @@ def group_entry(group: RolloutGroup, details: dict[tuple[int, int], RowDetail], 
                 logprobs=[float(x) for x in seg.logprobs.to_numpy()],
                 trainer_logprobs=None if d is None else d.trainer_logprobs,
                 masked=[] if d is None else d.masked, versions=[int(x) for x in seg.versions.to_numpy()],
-                sampler=seg.sampler, finish_reason=str(seg.finish_reason), cost_usd=float(seg.cost_usd)))
+                sampler=seg.sampler, finish_reason=str(seg.finish_reason), cost_usd=float(seg.cost_usd),
+                sampling=seg.sampling))
             so_far = prompt + tokens
         attempts.append(AttemptEntry(attempt_id=traj.attempt_id, reward=float(traj.reward), advantage=float(a),
                                      metrics=dict(traj.metrics), calls=calls))

@@ -4,8 +4,9 @@ Forward the batch through the Hugging Face causal LM to get the final hidden sta
 the positions that predicted the generated tokens (each distinct prompt computed once and
 shared by the rows that start with it, `fleetrl.actors.trainer.prefix`; or, with
 ``share_prompts=False``, the plain forward of every full row), apply the head in chunks
-of positions keeping only the logits the loss reads, divided by the sampling temperature
-(`fleetrl.actors.trainer.head`: never ``[B, T, V]`` at once), apply
+of positions keeping only the logits the loss reads, each row's divided by the
+temperature its call was sampled with (`Batch.row_temperature`; ``temperature`` for rows
+whose record has none) (`fleetrl.actors.trainer.head`: never ``[B, T, V]`` at once), apply
 `fleetrl.grpo.policy_loss_gathered` (support replay, importance weights and masks, score
 centering as configured), backward, clip the global grad norm, AdamW step.
 
@@ -33,8 +34,9 @@ largest ``|r|``. Quantiles would not add up over micro-batches and ranks; these 
 exactly (`step_figures`).
 
 A step is *skipped* (weights and optimizer state untouched) when no token can carry a
-gradient: every advantage is zero (zero-variance groups), or the corrections masked every
-token, or the gradient is not finite. With weight decay or Adam momentum an optimizer
+gradient: every model call was left out of the batch (greedy calls, `batch`), every
+advantage is zero (zero-variance groups), or the corrections masked every token, or the
+gradient is not finite. With weight decay or Adam momentum an optimizer
 step on a zero gradient would still move the weights, which is not what "no signal"
 should do. The decisions use the global figures, so every rank skips, or none.
 
@@ -65,8 +67,12 @@ from .head import DEFAULT_LOGITS_CHUNK_BYTES, SupportHead, final_hidden, lm_head
 from .prefix import plain_hidden, shared_prompt_hidden
 from .step_figures import SUM_KEYS, RowDetail, _Details, _Sums, combine_figures, metrics_fields, mismatch_sums
 
-__all__ = ["MismatchFigures", "RowDetail", "StepMetrics", "build_optimizer", "combine_figures", "load_into", "master_bf16",
+__all__ = ["ALL_MASKED_REASON", "MismatchFigures", "RowDetail", "StepMetrics", "build_optimizer", "combine_figures", "load_into", "master_bf16",
            "train_step"]
+
+
+ALL_MASKED_REASON = "every token masked"
+"""``skipped_reason`` of a step whose corrections kept no token (`alarms` halts on it)."""
 
 
 class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,6 +94,10 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     tokens_received: int = 0
     """Generated tokens of those groups (set by the trainer): the fleet's generation
     rate, discarded groups included, where ``tokens`` counts only the trained ones."""
+    groups_without_gradient: dict[str, int] = {}
+    """Of those groups, the ones that carried no gradient, by why (set by the trainer):
+    ``zero_variance`` (equal rewards: zero advantages), ``stale``, ``duplicate``,
+    ``malformed`` (refused at admission)."""
     loss: float = 0.0
     grad_norm: float = 0.0
     """Global L2 norm of the gradient before clipping."""
@@ -110,6 +120,20 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     """Groups of this batch by ``trainer version - oldest token version``."""
     retokenization_breaks: dict[str, int] = {}
     """Breaks in the trained trajectories' token streams, by cause (harness.chat.BREAK_CAUSES)."""
+    excluded_rows: dict[str, int] = {}
+    """Model calls of the batch's groups left out of the loss because they cannot carry a
+    gradient, by reason (``greedy``: sampled at temperature 0; ``top_k_1``: one candidate
+    per position; `batch.no_gradient_reason`)."""
+    excluded_tokens: int = 0
+    """Their generated tokens."""
+    frac_excluded_rows: float = 0.0
+    """Excluded calls / (excluded + trained rows)."""
+    unrecorded_rows: int = 0
+    """Rows whose record carries no sampling settings (an earlier release's), scored at
+    the trainer's configured ``temperature``."""
+    alarms: tuple[str, ...] = ()
+    """What this step raised an alarm for (set by the trainer, `alarms.step_alarms`):
+    ``masked_tokens``, ``masked_sequences``, ``excluded_rows``, ``all_masked``."""
     step_s: float = 0.0
     elapsed_s: float = 0.0
     """The trainer's wall-clock seconds so far, restarts summed (set by the trainer)."""
@@ -173,6 +197,9 @@ class _Head(msgspec.Struct, frozen=True):
     rewards: list[float]
     group_oldest: list[int]
     breaks: dict[str, int]
+    excluded: dict[str, int]
+    excluded_tokens: int
+    unrecorded: int
 
 
 def _all(collective: Collective, value, typ) -> list:
@@ -190,7 +217,8 @@ def _head(batch: Batch, micro: Sequence[Batch]) -> _Head:
         signal=bool(((batch.advantages != 0) & rows_with_tokens.to(batch.advantages.device)).any()),
         n_micro=len(micro), multi=all(int(mb.loss_mask.sum(-1).max()) >= 2 for mb in micro),
         rewards=[float(r) for r in summary.rewards.tolist()], group_oldest=[int(v) for v in summary.group_oldest.tolist()],
-        breaks=dict(summary.retokenization_breaks))
+        breaks=dict(summary.retokenization_breaks), excluded=dict(summary.excluded_rows),
+        excluded_tokens=summary.excluded_tokens, unrecorded=summary.unrecorded_rows)
 
 
 def _base(heads: Sequence[_Head], pass_threshold: float, trainer_version: int) -> dict:
@@ -201,27 +229,37 @@ def _base(heads: Sequence[_Head], pass_threshold: float, trainer_version: int) -
             if v >= 0:
                 hist[trainer_version - v] = hist.get(trainer_version - v, 0) + 1
     breaks: dict[str, int] = {}
+    excluded: dict[str, int] = {}
     for h in heads:
         for k, n in h.breaks.items():
             breaks[k] = breaks.get(k, 0) + n
+        for k, n in h.excluded.items():
+            excluded[k] = excluded.get(k, 0) + n
+    rows, n_excluded = sum(h.rows for h in heads), sum(excluded.values())
     return dict(
         groups=sum(len(h.group_oldest) for h in heads),
         trajectories=int(rewards.numel()),
-        rows=sum(h.rows for h in heads),
+        rows=rows,
         tokens=sum(h.tokens for h in heads),
         reward_mean=float(rewards.mean()) if rewards.numel() else 0.0,
         pass_rate=float((rewards >= pass_threshold).double().mean()) if rewards.numel() else 0.0,
         staleness_hist=hist,
         retokenization_breaks=breaks,
+        excluded_rows=excluded,
+        excluded_tokens=sum(h.excluded_tokens for h in heads),
+        frac_excluded_rows=n_excluded / (n_excluded + rows) if n_excluded else 0.0,
+        unrecorded_rows=sum(h.unrecorded for h in heads),
     )
 
 
 def _micro_step(model: torch.nn.Module, mb: Batch, *, corrections: CorrectionConfig, temperature: float,
                 share: bool, chunk_bytes: int, detail: list[RowDetail] | None = None) -> _Sums:
-    """Forward ``mb``, backward the *sum* of its loss (gradients accumulate); its sums."""
+    """Forward ``mb``, backward the *sum* of its loss (gradients accumulate); its sums.
+    Each row is scored at its own temperature (``temperature`` where it has none)."""
     hidden_BTH = (shared_prompt_hidden if share else plain_hidden)(model, mb)
     vocab = bool(mb.support_vocab.any())
-    gathered = support_logits(model, hidden_BTH, mb.tokens, mb.support_ids, mb.loss_mask, temperature=temperature,
+    temps = torch.nan_to_num(mb.row_temperature.double(), nan=float(temperature))
+    gathered = support_logits(model, hidden_BTH, mb.tokens, mb.support_ids, mb.loss_mask, temperature=temps,
                               want_vocab_lse=vocab, chunk_bytes=chunk_bytes)
     rows = mb.support_vocab if vocab else None
     loss_sum, m = policy_loss_gathered(gathered, mb.tokens, mb.sampler_logprobs, mb.support_ids, mb.support_logprobs,
@@ -282,6 +320,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     """Train ``model`` on ``batch``; returns the step's metrics (``step`` = steps before it).
 
     ``trainer_version`` is the version the batch is trained against (for staleness).
+    ``temperature``: the temperature of rows whose record carries none (every other row
+    is scored at its own, `Batch.row_temperature`).
     ``share_prompts`` computes each distinct prompt once (`shared_prompt_hidden`); off,
     every row is forwarded in full (`plain_hidden`). Both give the same logits to float
     rounding. ``micro_batch_tokens`` cuts the batch into micro-batches of at most that many
@@ -310,6 +350,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
         micro = split_rows(batch, micro_batch_tokens)
     heads = _all(coll, _head(batch, micro), _Head)
     base = _base(heads, pass_threshold, trainer_version)
+    if base["tokens"] == 0 and base["excluded_rows"]:
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(base["excluded_rows"].items()))
+        return StepMetrics(**base, step=step, skipped=True,
+                           skipped_reason=f"every model call excluded: no token can carry a gradient ({reasons})",
+                           step_s=time.perf_counter() - t0)
     if base["tokens"] == 0 or not any(h.signal for h in heads):
         return StepMetrics(**base, step=step, skipped=True, skipped_reason="zero advantage",
                            step_s=time.perf_counter() - t0)
@@ -342,7 +387,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     stats = dict(loss=total.numerator / max(count, 1.0), **metrics_fields(total))
     if count == 0:
         optimizer.zero_grad(set_to_none=True)
-        return StepMetrics(**base, **stats, step=step, skipped=True, skipped_reason="every token masked",
+        return StepMetrics(**base, **stats, step=step, skipped=True, skipped_reason=ALL_MASKED_REASON,
                            step_s=time.perf_counter() - t0)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if coll.world_size > 1 and not sharded:

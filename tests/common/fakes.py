@@ -272,3 +272,6 @@ class NullControlPlane:
 
     def request_shutdown(self, reason):
         pass
+
+    def halt(self, actor, reason):
+        pass

@@ -18,6 +18,7 @@ class QuitterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     steps: int = 3
     checkpoint_at: int = -1
     reason: str = "work done"
+    halt: bool = False
 
 
 async def quitter(cfg: QuitterConfig, ctx: ActorContext, *,
@@ -40,7 +41,7 @@ async def quitter(cfg: QuitterConfig, ctx: ActorContext, *,
             await ctx.request_checkpoint(f"tick {count}")
             log.append(("checkpointed", count))
     try:
-        ctx.request_shutdown(cfg.reason)
+        (ctx.halt if cfg.halt else ctx.request_shutdown)(cfg.reason)
     except ValueError as exc:
         log.append(("refused", str(exc)))
         raise

@@ -59,6 +59,26 @@ config = {tag = "other"}
     assert {n: a["state"] for n, a in sup.status()["actors"].items()} == {"job": "finished", "other": "finished"}
 
 
+async def test_halt_drains_checkpoints_and_exits_halted_naming_the_actor(tmp_path, actors, autojump_clock):
+    """``ctx.halt``: an error no restart can fix ends the run like a requested shutdown
+    (drain, final checkpoint), but with exit code 7 and the reason in /status."""
+    sup, state = make(tmp_path, """
+[actors.job]
+factory = "request_test_actors:quitter"
+config = {tag = "job", steps = 2, reason = "every token masked", halt = true}
+[actors.other]
+factory = "request_test_actors:idle"
+config = {tag = "other"}
+""")
+    with state, trio.fail_after(100):
+        code = await sup.run(handle_signals=False)
+    assert code == ExitCode.HALTED == 7
+    assert ("drained", 2) in actors.LOG["job"]
+    assert sup.status()["halted"] == "actor 'job': every token masked"
+    ckpt, _ = CheckpointStore(state.checkpoints).load_latest()
+    assert ckpt is not None and ckpt.actors["job"] == 2
+
+
 async def test_request_shutdown_refuses_an_empty_reason(tmp_path, actors, autojump_clock):
     sup, state = make(tmp_path, """
 [actors.job]

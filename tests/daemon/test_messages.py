@@ -37,11 +37,12 @@ seeds = st.none() | st.integers(0, 2**63 - 1)
 
 
 @st.composite
-def vectors(draw, n: int, dtypes: tuple[str, ...]):
+def vectors(draw, n: int, dtypes: tuple[str, ...], *, finite_only: bool = False):
     dtype = draw(st.sampled_from(dtypes))
     if dtype.startswith("float"):
         width = 32 if dtype == "float32" else 64
-        values = draw(st.lists(st.floats(width=width), min_size=n, max_size=n))
+        values = draw(st.lists(st.floats(width=width, allow_nan=not finite_only, allow_infinity=not finite_only),
+                               min_size=n, max_size=n))
     else:
         hi = 2**31 - 1 if dtype == "int32" else 2**63 - 1
         values = draw(st.lists(st.integers(-hi - 1, hi), min_size=n, max_size=n))
@@ -59,6 +60,9 @@ def supports(draw, n: int):
     )
 
 
+sampling_records = st.builds(
+    m.SamplingRecord, temperature=st.floats(0.0, 100.0), top_p=st.floats(0.0, 1.0, exclude_min=True),
+    top_k=st.none() | st.integers(1, 2**20), seed=seeds, whole_vocabulary=st.booleans())
 identities = st.builds(m.SamplerIdentity, sampler_id=text, backend=text, device_kind=text, dtype=text)
 finish = st.sampled_from(["stop", "length", "abort"])
 
@@ -68,11 +72,12 @@ def token_fields(draw) -> dict:
     n = draw(st.integers(0, 6))
     return {
         "token_ids": draw(vectors(n, ("int32", "int64"))),
-        "logprobs": draw(vectors(n, ("float32", "float64"))),
+        "logprobs": draw(vectors(n, ("float32", "float64"), finite_only=True)),
         "support": draw(supports(n)),
         "versions": draw(vectors(n, ("int32", "int64"))),
         "sampler": draw(identities),
         "finish_reason": draw(finish),
+        "sampling": draw(st.none() | sampling_records),
     }
 
 

@@ -136,3 +136,39 @@ def test_a_decoded_generation_with_disagreeing_arrays_is_refused():
     for key, value, message in [("logprobs", short, "logprobs has 1 entries"), ("support", empty, "empty support")]:
         with pytest.raises(BadMessage, match=message):
             m.SAMPLER.decode(msgspec.msgpack.encode(raw | {key: value}))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_sampled_token_without_a_finite_log_prob_is_refused_where_it_enters(bad):
+    """A NaN or infinite log q (a sampler that "filled in" what it did not compute) is
+    refused when the record is built and when it is decoded from a peer, naming the
+    token; never passed on to the trainer, where it would poison every ratio."""
+    fields = dict(request_id="r", token_ids=_t([3, 4], np.int64), support=_support([3, 5, 4], [-0.5, -0.9, 0.0],
+                  [0, 2, 3]), versions=_t([1, 2], np.int64), finish_reason="stop", sampler=IDENT)
+    with pytest.raises(ValueError, match=r"logprobs\[1\] = .* is not a finite log-probability"):
+        m.Generation(logprobs=_t([-0.5, bad], np.float32), **fields)
+    gen = m.Generation(logprobs=_t([-0.5, 0.0], np.float32), **fields)
+    raw = msgspec.to_builtins(gen, builtin_types=(bytes,))
+    raw["logprobs"] = msgspec.to_builtins(_t([bad, 0.0], np.float32), builtin_types=(bytes,))
+    with pytest.raises(BadMessage, match=r"logprobs\[0\] = .* is not a finite"):
+        m.SAMPLER.decode(msgspec.msgpack.encode(raw))
+    with pytest.raises(ValueError, match=r"logprobs\[0\]"):
+        m.TokenSegment(prompt_ids=_t([1], np.int64), logprobs=_t([bad, 0.0], np.float64),
+                       **{k: v for k, v in fields.items() if k != "request_id"})
+
+
+def test_the_sampling_record_is_what_the_params_were_and_travels_to_the_segment():
+    params = m.SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=40, seed=11)
+    rec = m.SamplingRecord.of(params)
+    assert (rec.temperature, rec.top_p, rec.top_k, rec.seed, rec.whole_vocabulary) == (0.7, 0.9, 40, 11, False)
+    assert m.SamplingRecord.of(params, seed=5).seed == 5 and not rec.greedy
+    assert m.SamplingRecord.of(m.SamplingParams(max_tokens=1, temperature=0.0)).greedy
+    gen = m.Generation(request_id="r", token_ids=_t([3], np.int64), logprobs=_t([0.0], np.float32),
+                       support=_support([3], [0.0], [0, 1]), versions=_t([1], np.int64), finish_reason="stop",
+                       sampler=IDENT, sampling=rec)
+    assert m.SAMPLER.decode(m.SAMPLER.encode(gen)).sampling == rec
+    assert m.TokenSegment.from_generation(_t([1], np.int64), gen).sampling == rec
+    for bad in (dict(temperature=-1.0), dict(temperature=math.nan), dict(temperature=1.0, top_p=0.0),
+                dict(temperature=1.0, top_k=0)):
+        with pytest.raises(ValueError, match="SamplingRecord"):
+            m.SamplingRecord(**bad)

@@ -71,7 +71,8 @@ async def test_openai_client_gets_answers_from_the_daemon_and_bad_keys_get_401(t
     assert status.json()["actors"]["endpoint"]["statistics"] == {
         "open_attempts": 1, "calls_in_flight": 0, "calls_waiting": 0,
         "rejected_too_many_concurrent_calls": 0, "rejected_endpoint_busy": 0, "answers_with_tool_calls": 0,
-        "tool_calls": 0, "tool_call_parse_failures": 0}
+        "tool_calls": 0, "tool_call_parse_failures": 0, "sampling_overridden_requests": 0,
+        "sampling_refused_requests": 0, "sampling_overridden": {}, "sampling_refused": {}}
     assert 'fleetrl_actor_statistic{actor="endpoint",name="open_attempts"} 1.0' in metrics.text
     # recorded token-exactly: the second call extends the first (no re-tokenisation)
     c0, c1 = record.calls

@@ -91,6 +91,7 @@ def test_agent_steps_carry_the_trained_tokens_exactly():
         own = m.extra["fleetrl"]
         assert own["weight_versions"] == seg.versions.to_numpy().tolist()
         assert own["sampler"] == msgspec.structs.asdict(seg.sampler) and own["finish_reason"] == seg.finish_reason
+        assert own["sampling"] == msgspec.structs.asdict(seg.sampling) and seg.sampling is not None
         assert (m.prompt_tokens, m.completion_tokens) == (seg.prompt_ids.shape[0], seg.token_ids.shape[0])
         assert step.llm_call_count == 1
     assert doc.extra["reward"] == 0.5 and doc.session_id == "t#0@env/1.1"

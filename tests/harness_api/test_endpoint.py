@@ -330,7 +330,8 @@ def test_the_documented_error_codes_are_the_ones_the_app_uses():
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     documented = {code for row in rows[1:] for code in re.findall(r"`([a-z_]+)`", row[3])}
     used = {"invalid_value"}  # _bad's default
-    modules = ("openai_api.py", "openai_request.py", "openai_response.py", "attempts.py", "openai_limits.py")
+    modules = ("openai_api.py", "openai_request.py", "openai_response.py", "attempts.py", "openai_limits.py",
+               "sampling_policy.py")
     nodes = [n for m in modules for n in ast.walk(ast.parse((root / "harness" / m).read_text()))]
     for node in nodes:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):

@@ -330,7 +330,8 @@ def test_the_endpoint_statistics_count_calls_and_refusals(tok):
     handle = EndpointHandle(registry=registry, base_url="", model_name="m", limits=limits, tool_counts=counts)
     zero = {"open_attempts": 0, "calls_in_flight": 0, "calls_waiting": 0,
             "rejected_too_many_concurrent_calls": 0, "rejected_endpoint_busy": 0, "answers_with_tool_calls": 0,
-            "tool_calls": 0, "tool_call_parse_failures": 0}
+            "tool_calls": 0, "tool_call_parse_failures": 0, "sampling_overridden_requests": 0,
+            "sampling_refused_requests": 0, "sampling_overridden": {}, "sampling_refused": {}}
     assert msgspec.to_builtins(handle.statistics()) == zero
     with limits.attempt_slot("k"):
         with pytest.raises(ApiError), limits.attempt_slot("k"):

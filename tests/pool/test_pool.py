@@ -166,3 +166,33 @@ async def test_each_generation_carries_its_cost(autojump_clock):
     assert sorted(by.values()) == [("dear", 1.0), ("dear", 1.0), ("free", 0.0)]  # shared seconds split
     rec = pool.registry.get("dear")
     assert rec.busy_s == 4.0 == alone.cost_usd + sum(c for s, c in by.values() if s == "dear")
+
+
+async def test_a_request_a_weight_switch_restarts_is_counted_per_sampler_with_its_cause(model_dir):
+    """The pool believes "old" holds version 2 (its last report); it holds 0 (it fell back to
+    an older anchor), so it refuses a request needing version 2 with cause weight_version.
+    Each such restart is counted against "old" (statistics and /metrics); once "new" joins
+    at version 2 the request is answered there."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fleetrl.actors.pool.metrics import PoolMetrics
+    from fleetrl.actors.samplers import WeightVersion
+
+    pool = SamplerPool(trainer_version=2, max_tries=3)
+    old = LocalSampler("old", _torch(model_dir), capacity=1)
+    pool.add(old, old.identity, price_per_hour=0.0, capacity=1, remote=False, version=2, digest="d2")
+    with trio.fail_after(120):
+        res = await pool.generate(request(1, min_version=2))
+        assert isinstance(res, m.GenerateFailed) and "min_version 2" in res.reason
+        assert pool.statistics().restarted == {"old": {"weight_version": 3}}
+        _add(pool, "new", TorchBackend(TorchBackendConfig(model_dir=str(model_dir)), version=WeightVersion(2, "d2")))
+        res = await pool.generate(request(2, min_version=2))
+    assert isinstance(res, m.Generation) and res.sampler.sampler_id == "new"
+    assert res.sampling == m.SamplingRecord(temperature=1.0, top_p=1.0, top_k=512, seed=2)  # the cap it applied
+    stats = pool.statistics()
+    assert stats.restarted["old"]["weight_version"] >= 3 and "new" not in stats.restarted
+    assert stats.discarded_tokens == {}  # nothing had been streamed
+    reg = CollectorRegistry()
+    reg.register(PoolMetrics(pool, "pool"))
+    text = generate_latest(reg).decode()
+    assert 'fleetrl_sampler_requests_restarted_total{actor="pool",cause="weight_version",sampler="old"}' in text
