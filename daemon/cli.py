@@ -31,6 +31,17 @@ def _err(msg: str) -> None:
 
 
 # -- serve -------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number >= 1 (else argparse's usage error naming it)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .malloc import limit_arenas
 

@@ -1,6 +1,6 @@
 """The GRPO policy loss with off-policy corrections.
 
-Per generated position ``t`` of sequence ``b`` (refs/corrections.md), with ``A`` the
+Per generated position ``t`` of sequence ``b`` (docs/reference/corrections.md), with ``A`` the
 sequence advantage, ``a`` the sampled token, ``S`` the sampler's reported support,
 ``q^S``/``p^S`` the sampler's/trainer's distributions renormalised over ``S``:
 

@@ -9,7 +9,7 @@ Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
 Training"; the two-sided token band, "IcePop" (Ring-1T, arXiv 2510.18855); the
 geometric-mean sequence mask, verl's rollout-correction notes (rollout_corr_math.md).
 Departure: IcePop drops tokens outside the band but keeps weight 1 inside it; here
-``"mask"`` keeps the IS weight ``rho`` inside the band (MIS), as refs/corrections.md asks.
+``"mask"`` keeps the IS weight ``rho`` inside the band (MIS), as docs/reference/corrections.md asks.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The import rules of the layout (DESIGN.md, "Layout"), read from the code's own imports.
+"""The import rules of the layout (docs/reference/layout.md), read from the code's own imports.
 
 daemon/, grpo/ and sandboxes/ import nothing else of fleetrl; harness/ imports only
 daemon/ and sandboxes/; actors/ may import all four. No module imports itself back

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fleetrl.daemon.cli import group_main
+from fleetrl.daemon.cli import group_main, positive_int
 
 __all__ = ["EXIT_CONFIG", "EXIT_HAZARDS", "EXIT_OK", "cmd_doctor", "main", "register", "render"]
 
@@ -83,16 +83,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_HAZARDS if hazards else EXIT_OK
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
 def register(subparsers) -> None:
     """Add the ``doctor`` command (contract: docs/reference/contracts.md, CLI command groups)."""
     p = subparsers.add_parser(
@@ -105,7 +95,7 @@ def register(subparsers) -> None:
     p.add_argument("--state-dir", metavar="DIR", default=None,
                    help="a run's state directory: also check its trainer's recent metrics.jsonl steps and the "
                         "supports in its workers' ATIF files")
-    p.add_argument("--steps", metavar="N", type=_positive, default=50,
+    p.add_argument("--steps", metavar="N", type=positive_int, default=50,
                    help="recent steps of metrics.jsonl to read (default 50)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: config, ok, read, hazards (each id, where, message, fix, file, line)")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from fleetrl.daemon.cli import group_main
+from fleetrl.daemon.cli import group_main, positive_int
 
 __all__ = ["main", "register_ablate", "register_bench"]
 
@@ -24,16 +24,6 @@ __all__ = ["main", "register_ablate", "register_bench"]
 def _err(prog: str, msg: str) -> int:
     print(f"fleetrl {prog}: {msg}", file=sys.stderr)
     return 2
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def _positive_float(text: str) -> float:
@@ -148,7 +138,7 @@ def register_ablate(subparsers) -> None:
         "ablate", help="run the corrections ablation (arms x regimes x seeds as real runs) and compare them",
         description=ABLATE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, metavar="FILE", help="the run's TOML config (e.g. configs/tiny.toml)")
-    p.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--steps", type=positive_int, default=None, metavar="N",
                    help="trainer steps per run (default: the config's max_steps)")
     p.add_argument("--seeds", default="1", metavar="SEEDS",
                    help="a count (2: seeds 0 and 1), a list (0,3) or a range (0..3); default 1 (seed 0)")
@@ -156,7 +146,7 @@ def register_ablate(subparsers) -> None:
                    help="mild, hard, or both as mild,hard (default mild)")
     p.add_argument("--variants", default="a,b,c,d,e", metavar="LIST",
                    help="comma-separated arms, by letter or name; must include a (default a,b,c,d,e)")
-    p.add_argument("--eval-tasks", type=_positive_int, default=400, metavar="N",
+    p.add_argument("--eval-tasks", type=positive_int, default=400, metavar="N",
                    help="held-out tasks per evaluation set in every run (default 400)")
     p.add_argument("--out", default=str(Path(RESULTS_DIR) / f"ablation-{_today()}"), metavar="DIR",
                    help="results: tables, JSON, plots, each run's config and logs (default "
@@ -182,7 +172,7 @@ def register_bench(subparsers) -> None:
                     "and compare the wall-clock to the same number of trained groups. "
                     "Ends with one JSON line.")
     a.add_argument("--config", required=True, metavar="FILE")
-    a.add_argument("--groups", type=_positive_int, default=None, metavar="N",
+    a.add_argument("--groups", type=positive_int, default=None, metavar="N",
                    help="trained groups to reach (default: 5 steps' worth)")
     a.add_argument("--out", default=".fleetrl/bench-async", metavar="DIR",
                    help="state directories and logs (default .fleetrl/bench-async)")

@@ -1,7 +1,7 @@
 """The sampler backend protocol: what every backend (torch, vLLM, remote) provides.
 
 A backend turns a batch of token-id prompts into generations and reports, for every
-generated token, exactly what it sampled from (refs/corrections.md):
+generated token, exactly what it sampled from (docs/reference/corrections.md):
 
 * the token id and ``log q^S`` of it, under the distribution actually sampled (after
   temperature, top-p and the top-k cap, renormalised over the support ``S``);

@@ -21,8 +21,9 @@ counts it). With ``max_steps`` or
 it asks the daemon to shut down once the first budget is spent.
 
 Alarms: a step whose corrections mask more than the configured share of its tokens or
-sequences, or whose batch left out more than the configured share of its model calls
-(greedy calls), raises an alarm (`alarms.step_alarms`): a ``correction alarm`` warning in
+sequences, whose batch left out more than the configured share of its model calls
+(greedy calls), or whose whole-vocabulary tokens left too much of the sampler's mass
+outside their listing, raises an alarm (`alarms.step_alarms`): a ``correction alarm`` warning in
 the log (so in the terminal and the dashboard's events), the counter
 ``trainer_alarms_total{alarm}``, the step's ``alarms`` in metrics.jsonl, and the counts
 and latest alarm in /status. A step that masks every token halts the run

@@ -51,7 +51,7 @@ def make_batch(
 
 
 def reference_loss(batch: SimpleNamespace, config: CorrectionConfig) -> torch.Tensor:
-    """refs/corrections.md written one token at a time, with plain loops.
+    """docs/reference/corrections.md written one token at a time, with plain loops.
 
     Same conventions as policy_loss: the centering term enters as (log p - sg(log p))
     so its value is zero; masked positions drop out of the numerator and denominator.

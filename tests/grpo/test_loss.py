@@ -1,5 +1,5 @@
 """policy_loss: agreement with a per-token loop reference, and invariants 1, 2, 5-9
-of refs/corrections.md. All in float64 on CPU, sizes small enough for Hypothesis."""
+of docs/reference/corrections.md. All in float64 on CPU, sizes small enough for Hypothesis."""
 
 from __future__ import annotations
 

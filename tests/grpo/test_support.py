@@ -1,5 +1,5 @@
 """sampler_support / sample_from_support / replay_logprobs: invariants 3 and 4 of
-refs/corrections.md, checked against float64 oracles computed here."""
+docs/reference/corrections.md, checked against float64 oracles computed here."""
 
 from __future__ import annotations
 
