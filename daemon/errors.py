@@ -2,7 +2,10 @@
 
 Every error that fleetrl raises deliberately derives from one root, `FleetrlError`, so
 a caller can tell "fleetrl refused this, and said why" from a bug (a plain
-`TypeError`, `KeyError`, ...), which should crash the actor that hit it. Errors are
+`TypeError`, `KeyError`, ...), which should crash the actor that hit it. The packages
+that import nothing else of fleetrl, so that they can be embedded alone (`sandboxes`,
+`grpo`), keep roots of their own (`SandboxError`, `BadLossInput`); every other package's
+root derives from this one (tests/test_errors.py). Errors are
 named after who broke things: `BadMessage` means a *peer* sent something we cannot
 accept; it is a fact about the input, never about our own state.
 

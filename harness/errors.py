@@ -24,6 +24,8 @@ The first three and `ForkServerFailed` keep ``ValueError`` as a second base: cal
 
 from __future__ import annotations
 
+from fleetrl.daemon.errors import FleetrlError
+
 __all__ = [
     "ApiError",
     "EvaluatorOutputError",
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 
-class HarnessError(Exception):
+class HarnessError(FleetrlError):
     """The root of every error raised by ``fleetrl.harness``."""
 
 

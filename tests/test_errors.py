@@ -111,3 +111,38 @@ def test_the_check_catches_a_stray_exception(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(Path, "read_text", read_text)
     assert any("Stray derives from nothing" in p for p in problems_of(pkg))
+
+
+EMBEDDABLE = ("sandboxes", "grpo")
+"""Packages that import nothing else of fleetrl (they can be embedded alone), so their
+roots (`SandboxError`, `BadLossInput`) cannot derive from the daemon's `FleetrlError`."""
+
+
+def root_problems() -> list[str]:
+    """Each errors.py outside the embeddable packages: a root (a class whose bases hold no
+    class of the same module) that does not derive from `FleetrlError`."""
+    from fleetrl.daemon.errors import FleetrlError
+
+    problems = []
+    for top in ("daemon", "harness", "actors"):
+        for errors_py in sorted((ROOT / top).rglob("errors.py")):
+            if STANDALONE & set(errors_py.relative_to(ROOT).parts):
+                continue
+            for cls in roots_of(errors_py):
+                own_bases = [b for b in cls.__bases__ if b.__module__ == cls.__module__]
+                if not own_bases and not issubclass(cls, FleetrlError):
+                    problems.append(f"{errors_py.relative_to(ROOT)}: {cls.__name__} does not derive from FleetrlError")
+    return problems
+
+
+def test_every_root_outside_the_embeddable_packages_derives_from_fleetrl_error():
+    """What daemon/errors.py promises: a caller catches `FleetrlError` for anything fleetrl
+    refused on purpose (sandboxes/ and grpo/ keep roots of their own: `EMBEDDABLE`)."""
+    problems = root_problems()
+    assert not problems, "\n".join(problems)
+    from fleetrl.actors.pool.errors import UnknownSampler
+    from fleetrl.daemon.errors import FleetrlError
+    from fleetrl.harness.errors import TaskError
+
+    assert issubclass(UnknownSampler, (FleetrlError, KeyError)) and issubclass(TaskError, ValueError)
+    assert issubclass(TaskError, FleetrlError) and issubclass(UnknownSampler, FleetrlError)

@@ -5,10 +5,12 @@ builtin (ValueError, RuntimeError) it stays a second base."""
 
 from __future__ import annotations
 
+from fleetrl.daemon.errors import FleetrlError
+
 __all__ = ["BadGroup", "BufferFull", "RolloutBufferError"]
 
 
-class RolloutBufferError(Exception):
+class RolloutBufferError(FleetrlError):
     """Root of the errors of `fleetrl.actors.buffer`."""
 
 

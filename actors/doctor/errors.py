@@ -5,10 +5,12 @@ the builtin base its callers already catch (`DoctorInputError` is a `ValueError`
 
 from __future__ import annotations
 
+from fleetrl.daemon.errors import FleetrlError
+
 __all__ = ["DoctorError", "DoctorInputError"]
 
 
-class DoctorError(Exception):
+class DoctorError(FleetrlError):
     """Root of the errors of `fleetrl.actors.doctor`."""
 
 

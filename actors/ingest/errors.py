@@ -5,10 +5,12 @@ builtin (RuntimeError) it stays a second base."""
 
 from __future__ import annotations
 
+from fleetrl.daemon.errors import FleetrlError
+
 __all__ = ["IngestError", "StoreError"]
 
 
-class IngestError(Exception):
+class IngestError(FleetrlError):
     """Root of the errors of `fleetrl.actors.ingest`."""
 
 

@@ -7,10 +7,12 @@ subclass keeps the builtin base its callers already catch (`PacingError` is a
 
 from __future__ import annotations
 
+from fleetrl.daemon.errors import FleetrlError
+
 __all__ = ["JoinRefused", "PacingError", "PoolError", "SamplerLost", "UnknownSampler"]
 
 
-class PoolError(Exception):
+class PoolError(FleetrlError):
     """Anything the sampler pool refuses, or a sampler it lost."""
 
 

@@ -6,6 +6,8 @@ catches ``ValueError`` (the sampler pool answers those as a bad request) still d
 
 from __future__ import annotations
 
+from fleetrl.daemon.errors import FleetrlError
+
 __all__ = [
     "BadGenerateRequest",
     "BadWeightUpdate",
@@ -16,7 +18,7 @@ __all__ = [
 ]
 
 
-class SamplerError(Exception):
+class SamplerError(FleetrlError):
     """Root of the errors raised by sampler backends."""
 
 

@@ -14,11 +14,13 @@ raises it (``codec``, ``streams``, ``manifest``, ``store``, ``follower``, ``http
 
 from __future__ import annotations
 
+from fleetrl.daemon.errors import FleetrlError
+
 __all__ = ["DeltaError", "DeltaFormatError", "DeltaMismatchError", "DeltaVerifyError",
            "StreamError", "ManifestError", "BlobNotFound", "BlobIntegrityError", "RangeError"]
 
 
-class DeltaError(ValueError):
+class DeltaError(FleetrlError, ValueError):
     """Base class of every error of the weights package."""
 
 

@@ -7,10 +7,12 @@ kinds of remote member).
 
 from __future__ import annotations
 
+from fleetrl.daemon.errors import FleetrlError
+
 __all__ = ["DaemonSilent", "UnsafeHarness", "WorkerSetupError", "WorkersError"]
 
 
-class WorkersError(Exception):
+class WorkersError(FleetrlError):
     """Root of the errors of `fleetrl.actors.workers`."""
 
 
