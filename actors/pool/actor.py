@@ -5,9 +5,9 @@ after ``restart_backoff_s``; each follows the trainer's delta store when
 ``weights_dir`` is set), mounts the join endpoint for remote samplers
 (`remote_server.fleet_app`, authenticated by the fleet token), exports the per-sampler
 metrics, and starts with the pool itself as its handle: other actors call
-``(await ctx.handle("pool")).generate(request)`` and pace through it. Its inbox takes
-`GenerateRequest`s (answered to ``reply_to``), the trainer's `WeightVersionAvailable`
-announcements, samplers' `SamplerStatus`, the trainer's stale-group reports (acted on:
+``(await ctx.handle("pool")).generate(request)`` and pace through it (requests go
+through the handle, never the inbox). Its inbox takes the trainer's
+`WeightVersionAvailable` announcements, samplers' `SamplerStatus`, the trainer's stale-group reports (acted on:
 `SamplerPool.on_stale_group` lowers the pacing allowance, deprioritises lagging samplers
 and resyncs followers) and its per-sampler mismatch measurements (`SamplerMismatch`,
 recorded by `SamplerPool.record_mismatch`: they feed ``fleetrl_sampler_mismatch_kl``).
@@ -52,7 +52,7 @@ from .remote_server import Reservations, fleet_app
 
 __all__ = ["Inbox", "run"]
 
-Inbox = m.GenerateRequest | m.WeightVersionAvailable | m.SamplerStatus | StaleGroup | m.SamplerMismatch
+Inbox = m.WeightVersionAvailable | m.SamplerStatus | StaleGroup | m.SamplerMismatch
 """Requests to answer, the trainer's versions, samplers' reports, the trainer's stale-group
 reports and its mismatch measurements."""
 
@@ -93,7 +93,6 @@ async def run(cfg: PoolConfig, ctx: ActorContext, *,
     ctx.metrics.registry.register(collector)
     pauses = SwitchPauses(ctx.name)
     ctx.metrics.registry.register(pauses)
-    reply = ctx.sender(cfg.reply_to) if cfg.reply_to else None
     source = None
     if cfg.weights_dir is not None:
         source = AsyncStoreSource(StoreSource(LocalDirStore(cfg.weights_dir)))
@@ -136,34 +135,23 @@ async def run(cfg: PoolConfig, ctx: ActorContext, *,
                 await _first_joins(processes, cfg.process_start_timeout_s, ctx)
             task_status.started(pool)
 
-            async def answer(req: m.GenerateRequest) -> None:
-                result = await pool.generate(req)
-                if reply is not None:
-                    await reply.send(result)
-
             # the inbox ends at shutdown once every producer, and every actor holding the
             # pool's handle, has returned: nobody generates through the pool any more
-            async with trio.open_nursery() as requests:
-                async for msg in ctx.inbox:
-                    match msg:
-                        case m.GenerateRequest():
-                            await ctx.wait_unpaused()
-                            requests.start_soon(answer, msg)
-                        case m.WeightVersionAvailable(version=version):
-                            pool.announce(msg, samplers)
-                            ctx.report_version("trainer", version)
-                        case m.SamplerStatus(sampler_id=sid, version=version, digest=digest):
-                            pool.set_sampler_version(sid, version, digest)
-                        case StaleGroup():
-                            pool.on_stale_group(msg, samplers)
-                        case m.SamplerMismatch():
-                            pool.record_mismatch(msg)
-                        case _:
-                            ctx.log.warning("message ignored", type=type(msg).__name__)
-            samplers.cancel_scope.cancel()  # the requests taken from the inbox are answered
+            async for msg in ctx.inbox:
+                match msg:
+                    case m.WeightVersionAvailable(version=version):
+                        pool.announce(msg, samplers)
+                        ctx.report_version("trainer", version)
+                    case m.SamplerStatus(sampler_id=sid, version=version, digest=digest):
+                        pool.set_sampler_version(sid, version, digest)
+                    case StaleGroup():
+                        pool.on_stale_group(msg, samplers)
+                    case m.SamplerMismatch():
+                        pool.record_mismatch(msg)
+                    case _:
+                        ctx.log.warning("message ignored", type=type(msg).__name__)
+            samplers.cancel_scope.cancel()
     finally:
-        if reply is not None:
-            reply.close()
         if launch is not None and launch.weights_url is not None and ctx.credentials is not None:
             from fleetrl.daemon.credentials import UnknownCredential
 

@@ -105,8 +105,6 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     heartbeat_s: PosFloat = 2.0
     heartbeat_timeout_s: PosFloat = 10.0
     """A remote silent for this long is treated as dead."""
-    reply_to: str | None = None
-    """Actor that receives the answers to requests taken from the inbox."""
     attempts_per_step: Annotated[int, msgspec.Meta(ge=1)] = 64
     """Attempts the trainer consumes per version (for staleness pacing)."""
     max_support: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_SUPPORT
