@@ -15,7 +15,9 @@ in /status and exported as ``fleetrl_actor_statistic`` in /metrics
   messages queued while an actor restarts are kept) and ``sender(name)`` (a clone of
   another actor's inbox; closed by the kernel when this incarnation ends)
 - ``await handle(name)``: the handle actor ``name`` started with (waits until it has
-  started; after a restart, the new incarnation's). Holding it counts as a producer of
+  started; after a restart, the new incarnation's); ``await handle(name, Kind)`` also
+  checks it is a ``Kind`` (a class, or a ``runtime_checkable`` Protocol naming what the
+  holder calls) and returns it typed, else `faults.WrongHandle` naming both actors. Holding it counts as a producer of
   ``name``'s inbox, so that actor's inbox ends at shutdown only once every holder has
   returned: an actor that serves through its handle drains by reading its inbox to
   the end. ``previous_handle``: what this actor's previous incarnation started with
@@ -49,12 +51,28 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import msgspec
 import trio
 
-__all__ = ["ActorContext", "CheckpointHook", "Gate"]
+from .faults import WrongHandle
+
+__all__ = ["ActorContext", "CheckpointHook", "Gate", "WrongHandle"]
+
+H = TypeVar("H")
+
+
+def _protocol_members(kind: type) -> list[str]:
+    """The public attributes a Protocol asks for (empty for a plain class)."""
+    if not getattr(kind, "_is_protocol", False):
+        return []
+    names: set[str] = set()
+    for base in kind.__mro__:
+        if base.__name__ in ("Protocol", "Generic", "object"):
+            continue
+        names.update(n for n in (*vars(base), *getattr(base, "__annotations__", {})) if not n.startswith("_"))
+    return sorted(names)
 
 T = TypeVar("T")
 CheckpointHook = Callable[[], Awaitable[Any]]
@@ -133,16 +151,29 @@ class ActorContext:
         self._senders.append(chan)
         return chan
 
-    async def handle(self, name: str) -> Any:
+    @overload
+    async def handle(self, name: str) -> Any: ...
+
+    @overload
+    async def handle(self, name: str, kind: type[H]) -> H: ...
+
+    async def handle(self, name: str, kind: type[Any] | None = None) -> Any:
         """The handle actor `name` passed to ``task_status.started(handle)``.
 
         Waits until that actor has started (again, while it restarts after a crash).
         From then on this incarnation counts as a producer of `name`'s inbox (see the
         module docstring). Raises KeyError for an unknown actor, and ValueError when
         `name` starts after this actor while this one is still starting (it would wait
-        for ever: list `name` in this actor's ``after``).
+        for ever: list `name` in this actor's ``after``). With `kind` (a class, or a
+        ``runtime_checkable`` Protocol of what this actor calls), the handle must be one:
+        else `faults.WrongHandle` naming both actors and what is missing.
         """
         handle = await self._kernel.wait_handle(name, asker=self.name)
+        if kind is not None and not isinstance(handle, kind):
+            missing = [a for a in _protocol_members(kind) if not hasattr(handle, a)]
+            lacks = f" (it has no {', '.join(missing)})" if missing else ""
+            raise WrongHandle(f"actor {self.name!r} needs actor {name!r} to be a {kind.__name__}, but its handle "
+                              f"is a {type(handle).__name__}{lacks}: check which actor the config names here")
         if name not in self._holding:
             try:
                 chan = self._kernel.inbox_sender(name).clone()

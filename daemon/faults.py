@@ -68,6 +68,11 @@ class StateDirLocked(DaemonError):
     exit_code = ExitCode.LOCKED
 
 
+class WrongHandle(DaemonError, TypeError):
+    """An actor asked for another's handle as a kind it is not (``ctx.handle(name, kind)``):
+    the config names the wrong actor (e.g. a trainer where a sampler pool belongs)."""
+
+
 class ActorEscalated(DaemonError):
     """An actor crashed more often than its restart intensity allows."""
 

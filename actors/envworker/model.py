@@ -30,6 +30,7 @@ import numpy as np
 import trio
 
 from fleetrl.actors.pool.batcher import decode_batch
+from fleetrl.actors.pool.handle import PoolHandle
 from fleetrl.actors.samplers.base import served_identity, stamp
 from fleetrl.actors.samplers.errors import BadGenerateRequest, NumericalFailure
 from fleetrl.daemon import messages as m
@@ -232,7 +233,7 @@ async def open_model(cfg: ModelConfig, ctx: ActorContext) -> LocalModelClient | 
         return LocalModelClient(backend, tok, sampler_id=f"{ctx.name}-local", concurrency=cfg.concurrency)
     tok = await trio.to_thread.run_sync(HFChatTokenizer.from_pretrained, cfg.tokenizer_dir)
     try:
-        pool = await ctx.handle(cfg.pool)
+        pool = await ctx.handle(cfg.pool, PoolHandle)
     except KeyError:
         raise ValueError(f"model.pool = {cfg.pool!r} is not an actor of this daemon") from None
     return PoolModelClient(pool, tok, min_version=cfg.min_version)

@@ -23,6 +23,7 @@ import trio
 from fleetrl.actors.envworker.cursor import CursorState, TaskCursor
 from fleetrl.actors.envworker.pacing import GroupPacing
 from fleetrl.actors.envworker.sources import open_task_source
+from fleetrl.actors.pool.handle import PoolHandle
 from fleetrl.daemon.actor import ActorContext
 
 from .book import TaskBook
@@ -75,7 +76,7 @@ async def run(cfg: RemoteWorkersConfig, ctx: ActorContext, *,
     tokenizer = await trio.to_thread.run_sync(functools.partial(
         read_tokenizer_files, model.tokenizer_dir, max_bytes=int(cfg.max_tokenizer_mb * 2**20)))
     try:
-        pool = await ctx.handle(model.pool)
+        pool = await ctx.handle(model.pool, PoolHandle)
     except KeyError:
         raise ValueError(f"model.pool = {model.pool!r} is not an actor of this daemon") from None
     out = _sender(ctx, cfg.target, "target")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import trio
@@ -64,3 +64,46 @@ async def idle(cfg: IdleConfig, ctx: ActorContext, *,
     ctx.on_checkpoint(hook)
     task_status.started()
     await ctx.wait_draining()
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """What the asker needs of the actor it names."""
+
+    async def generate(self, request: Any) -> Any: ...
+
+
+class _Server:
+    async def generate(self, request: Any) -> Any:
+        return f"answer to {request}"
+
+
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+async def server(cfg: ServerConfig, ctx: ActorContext, *,
+                 task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+    """Starts with a handle that is a `Generator`; serves until drained."""
+    task_status.started(_Server())
+    async for _ in ctx.inbox:
+        pass
+
+
+class AskerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    target: str
+
+
+async def asker(cfg: AskerConfig, ctx: ActorContext, *,
+                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Asks for ``target``'s handle as a `Generator` and records what came of it."""
+    log = LOG.setdefault("asker", [])
+    task_status.started()
+    try:
+        handle = await ctx.handle(cfg.target, Generator)
+    except Exception as exc:
+        log.append(("refused", type(exc).__name__, str(exc)))
+        ctx.request_shutdown("asked")
+        return
+    log.append(("answer", await handle.generate("q")))
+    ctx.request_shutdown("asked")

@@ -133,3 +133,29 @@ config = {tag = "middle"}
             assert actors.LOG["hooks"] == ["source", "middle", "sink"]
             sup.request_shutdown("test")
     assert actors.LOG["hooks"][3:] == ["source", "middle", "sink"]  # the final checkpoint too
+
+
+@pytest.mark.parametrize("target, want", [("srv", ("answer", "answer to q")), ("other", "refused")])
+async def test_a_handle_asked_for_as_a_kind_is_checked_and_typed(tmp_path, actors, autojump_clock, target, want):
+    """``ctx.handle(name, Kind)``: the handle of an actor of the right kind comes back; a
+    config naming another actor fails at once with WrongHandle naming both actors and
+    what the handle lacks."""
+    sup, state = make(tmp_path, f"""
+[actors.srv]
+factory = "request_test_actors:server"
+[actors.other]
+factory = "request_test_actors:idle"
+config = {{tag = "other"}}
+[actors.ask]
+factory = "request_test_actors:asker"
+after = ["srv", "other"]
+config = {{target = "{target}"}}
+""")
+    with state, trio.fail_after(100):
+        assert await sup.run(handle_signals=False) == ExitCode.OK
+    [got] = actors.LOG["asker"]
+    if want == "refused":
+        assert got[:2] == ("refused", "WrongHandle")
+        assert "actor 'ask' needs actor 'other' to be a Generator" in got[2] and "it has no generate" in got[2]
+    else:
+        assert got == want
