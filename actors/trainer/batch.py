@@ -56,7 +56,7 @@ from fleetrl.grpo import group_advantages
 
 from .config import AdvantageConfig
 from .errors import BadBatch
-from .group_checks import NO_GRADIENT_REASONS, check_group, no_gradient_reason
+from .group_checks import NO_GRADIENT_REASONS, check_group, generated_segment, no_gradient_reason
 
 __all__ = ["NO_GRADIENT_REASONS", "BadBatch", "Batch", "BatchSummary", "build_batch", "check_group",
            "micro_batch_cost", "no_gradient_reason", "sampler_key", "select_rows", "split_rows"]
@@ -221,13 +221,10 @@ def build_batch(groups: Sequence[RolloutGroup], advantage: AdvantageConfig = Adv
                     cause = key[len(BREAKS_PREFIX):]
                     breaks[cause] = breaks.get(cause, 0) + int(n)
             for si, seg in enumerate(traj.segments):
-                where = f"group {group.group_id!r}, attempt {traj.attempt_id!r}, segment {si}"
-                prompt = seg.prompt_ids.to_numpy().astype(np.int64)
-                tokens = seg.token_ids.to_numpy().astype(np.int64)
-                if tokens.size == 0:
+                got = generated_segment(group, traj, si)
+                if got is None:
                     continue
-                if prompt.size == 0:
-                    raise BadBatch(f"{where}: empty prompt (no position predicts the first token)")
+                _, prompt, tokens = got
                 off = seg.support.offsets.to_numpy()
                 why = no_gradient_reason(seg)
                 if why is not None:

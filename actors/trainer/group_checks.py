@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from fleetrl.daemon.messages import RolloutGroup, TokenSegment
+from fleetrl.daemon.messages import RolloutGroup, TokenSegment, Trajectory
 from fleetrl.daemon.tokens import check_sampled_tokens
 
 from .errors import BadBatch
 
-__all__ = ["NO_GRADIENT_REASONS", "check_group", "no_gradient_reason"]
+__all__ = ["NO_GRADIENT_REASONS", "check_group", "generated_segment", "no_gradient_reason"]
 
 
 NO_GRADIENT_REASONS = ("greedy", "top_k_1")
@@ -37,6 +37,22 @@ def no_gradient_reason(seg: TokenSegment) -> str | None:
     return None
 
 
+def generated_segment(group: RolloutGroup, traj: Trajectory, si: int
+                      ) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """Segment ``si`` of ``traj`` as ``(where, prompt ids, generated ids)`` (int64), where
+    names group, attempt and segment; None when it generated nothing (it is no row).
+    `BadBatch` for an empty prompt before generated tokens (no position predicts them)."""
+    seg = traj.segments[si]
+    where = f"group {group.group_id!r}, attempt {traj.attempt_id!r}, segment {si}"
+    tokens = seg.token_ids.to_numpy().astype(np.int64)
+    if tokens.size == 0:
+        return None
+    prompt = seg.prompt_ids.to_numpy().astype(np.int64)
+    if prompt.size == 0:
+        raise BadBatch(f"{where}: empty prompt (no position predicts the first token)")
+    return where, prompt, tokens
+
+
 def check_group(group: RolloutGroup, vocab_size: int, *, tol: float = 5e-3) -> None:
     """Raise `BadBatch` naming group, attempt, segment and token if ``group`` cannot be
     trained on: no trajectories, a non-finite reward, an empty prompt before generated
@@ -51,13 +67,10 @@ def check_group(group: RolloutGroup, vocab_size: int, *, tol: float = 5e-3) -> N
             raise BadBatch(f"group {group.group_id!r}, attempt {traj.attempt_id!r}: reward {traj.reward} "
                            "is not finite")
         for si, seg in enumerate(traj.segments):
-            where = f"group {group.group_id!r}, attempt {traj.attempt_id!r}, segment {si}"
-            tokens = seg.token_ids.to_numpy().astype(np.int64)
-            prompt = seg.prompt_ids.to_numpy().astype(np.int64)
-            if tokens.size == 0:
+            got = generated_segment(group, traj, si)
+            if got is None:
                 continue
-            if prompt.size == 0:
-                raise BadBatch(f"{where}: empty prompt (no position predicts the first token)")
+            where, prompt, tokens = got
             for name, ids in (("prompt_ids", prompt), ("token_ids", tokens),
                               ("support.ids", seg.support.ids.to_numpy())):
                 bad = (ids < 0) | (ids >= vocab_size)

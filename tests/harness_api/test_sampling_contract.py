@@ -25,29 +25,21 @@ import torch
 import trio
 from fakes import TorchClient, serving
 
-from fleetrl.actors.model import TinyLlamaSpec, create_tiny_llama, load_model, save_byte_tokenizer
-from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
+from fleetrl.actors.model import load_model
 from fleetrl.actors.trainer.batch import build_batch
 from fleetrl.actors.trainer.step import RowDetail, build_optimizer, train_step
 from fleetrl.daemon import messages as m
 from fleetrl.daemon.protocol import Tensor
 from fleetrl.grpo import CorrectionConfig
-from fleetrl.harness.model import HFChatTokenizer
 from fleetrl.harness.openai_api import AttemptRegistry, EndpointConfig, create_app
 from fleetrl.harness.sampling_policy import SamplingPolicy
 
 SCRIPT = Path(__file__).parent / "scripts" / "sampled_calls.py"
-SPEC = TinyLlamaSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                     max_position_embeddings=1024, initializer_range=0.1)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("contract")
-    model_dir = create_tiny_llama(root / "model", SPEC, seed=3)
-    save_byte_tokenizer(root / "model", model_max_length=1024)
-    backend = TorchBackend(TorchBackendConfig(model_dir=str(model_dir), dtype="fp32"))
-    return backend, HFChatTokenizer.from_pretrained(root / "model"), str(model_dir)
+def tiny(tiny_served):
+    return tiny_served
 
 
 async def _harness_attempts(tiny, policy: SamplingPolicy, *, temperature: float, top_p: float, attempts: int = 2,

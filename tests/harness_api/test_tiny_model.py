@@ -12,24 +12,13 @@ import pytest
 import trio
 from fakes import FakeSandbox, TorchClient, serving
 
-from fleetrl.actors.model import TinyLlamaSpec, create_tiny_llama, save_byte_tokenizer
-from fleetrl.actors.samplers.torch_backend import TorchBackend, TorchBackendConfig
 from fleetrl.harness.builtin import ShellAgentHarness
-from fleetrl.harness.model import HFChatTokenizer
 from fleetrl.harness.openai_api import AttemptRegistry, EndpointConfig, create_app
 from fleetrl.harness.tasks import Evaluator, Limits, Task
 
-SPEC = TinyLlamaSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                     max_position_embeddings=1024, initializer_range=0.1)
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    model_dir = create_tiny_llama(root / "model", SPEC, seed=3)
-    save_byte_tokenizer(root / "model", model_max_length=1024)
-    backend = TorchBackend(TorchBackendConfig(model_dir=str(model_dir)))
-    tok = HFChatTokenizer.from_pretrained(root / "model")  # the saved directory, as a user would give it
+def tiny(tiny_served):
+    backend, tok, _ = tiny_served
     return backend, tok
 
 
