@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from fleetrl.actors.trainer.config import CorrectionAlarms
+from fleetrl.actors.trainer.step import ALL_MASKED_REASON as ALL_MASKED
 from fleetrl.daemon.config import key_line
 
 from .wiring import KeyPath
@@ -71,7 +72,6 @@ TAIL_MASS = 0.05
 """``support-tail-mass``: the token-weighted mean tail mass of whole-vocabulary draws
 above which the listing leaves too much of q out of centering."""
 _DEFAULT_ALARMS = CorrectionAlarms()
-ALL_MASKED = "every token masked"
 """The ``skipped_reason`` of a step whose corrections kept no token."""
 
 

@@ -121,13 +121,14 @@ RESTART_CAUSES = ("weight_version", "lost", "deadline", "failed")
 """Why a sampler did not answer a request the pool then routed again or failed."""
 
 
-def restart_cause(result: m.Generation | m.GenerateFailed | None, lost: str | None, cut: bool) -> str:
-    """The `RESTART_CAUSES` entry of a request a sampler did not answer."""
+def restart_cause(result: m.Generation | m.GenerateFailed | None, lost: str | None, deadline: bool) -> str:
+    """The `RESTART_CAUSES` entry of a request a sampler did not answer: its answer said it
+    held older weights, the request's deadline passed, the sampler was lost, or it failed."""
     if isinstance(result, m.GenerateFailed) and result.cause == "weight_version":
         return "weight_version"
-    if lost is not None:
-        return "deadline" if lost.startswith("no answer within") else "lost"
-    return "deadline" if cut else "failed"
+    if deadline:
+        return "deadline"
+    return "lost" if lost is not None else "failed"
 
 
 def _trio_now() -> float | None:
@@ -505,8 +506,10 @@ class SamplerPool:
                 if key is not None and self.affinity is not None:
                     self.affinity.ended(key)
             now = trio.current_time()
+            deadline_passed = False
             if cut:
                 if sid in self.handles and self.handles[sid] is handle:  # not by mark_dead: the deadline passed
+                    deadline_passed = True
                     lost = f"no answer within request_timeout_s={self.request_timeout_s}"
                     self.mark_dead(sid, lost)
                 else:
@@ -530,7 +533,7 @@ class SamplerPool:
                 yield result
                 return
             problems.append(f"{sid}: {lost if lost is not None else result.reason}")
-            cause = restart_cause(result, lost, cut)
+            cause = restart_cause(result, lost, deadline_passed)
             by_cause = self.restarted.setdefault(sid, {})
             by_cause[cause] = by_cause.get(cause, 0) + 1
             if sent:

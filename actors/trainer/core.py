@@ -10,6 +10,7 @@ half-done step.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,10 +52,10 @@ def batch_record(batch: Batch, step: int) -> dict[str, Any]:
     for b in range(batch.tokens.shape[0]):
         prompt = batch.prompt_ids[batch.prefix_index[b]][: batch.prompt_lengths[batch.prefix_index[b]]]
         mask = batch.loss_mask[b]
-        temp = float(batch.row_temperature[b])
+        temp = float(batch.row_temperature[b])  # NaN: the record had no sampling settings
         rows.append({"prompt_ids": prompt.tolist(), "loss_tokens": batch.tokens[b][mask].tolist(),
                      "versions": batch.versions[b][mask].tolist(), "advantage": float(batch.advantages[b]),
-                     "trajectory": int(batch.row_trajectory[b]), "temperature": None if temp != temp else temp})
+                     "trajectory": int(batch.row_trajectory[b]), "temperature": None if math.isnan(temp) else temp})
     return {"step": step, "rows": rows, "rewards": batch.rewards.tolist(), "excluded_rows": batch.excluded_rows}
 
 

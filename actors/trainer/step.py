@@ -67,8 +67,8 @@ from .head import DEFAULT_LOGITS_CHUNK_BYTES, SupportHead, final_hidden, lm_head
 from .prefix import plain_hidden, shared_prompt_hidden
 from .step_figures import SUM_KEYS, RowDetail, _Details, _Sums, combine_figures, metrics_fields, mismatch_sums
 
-__all__ = ["ALL_MASKED_REASON", "MismatchFigures", "RowDetail", "StepMetrics", "build_optimizer", "combine_figures", "load_into", "master_bf16",
-           "train_step"]
+__all__ = ["ALL_MASKED_REASON", "MismatchFigures", "RowDetail", "StepMetrics", "build_optimizer", "combine_figures",
+           "load_into", "master_bf16", "train_step"]
 
 
 ALL_MASKED_REASON = "every token masked"
@@ -133,7 +133,7 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     the trainer's configured ``temperature``."""
     alarms: tuple[str, ...] = ()
     """What this step raised an alarm for (set by the trainer, `alarms.step_alarms`):
-    ``masked_tokens``, ``masked_sequences``, ``excluded_rows``, ``all_masked``."""
+    ``all_masked``, ``masked_tokens``, ``masked_sequences``, ``excluded_rows``, ``tail_mass``."""
     step_s: float = 0.0
     elapsed_s: float = 0.0
     """The trainer's wall-clock seconds so far, restarts summed (set by the trainer)."""

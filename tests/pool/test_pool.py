@@ -71,6 +71,8 @@ async def test_hung_sampler_is_taken_out_rerouted_and_restarted(model_dir):
     assert len(out) == 6
     assert built[0].calls >= 1  # it did take requests, which were re-routed
     assert pool.rerouted >= 1
+    restarted = pool.statistics().restarted
+    assert restarted["flaky"].get("deadline", 0) >= 1 and "good" not in restarted  # counted by cause
     assert isinstance(again, m.Generation)
     assert pool.registry.get("flaky").alive
 
